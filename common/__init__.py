@@ -1,0 +1,1 @@
+"""Shared libraries: config, protocol, model, KV blocks, connector, sampling."""

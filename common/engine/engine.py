@@ -1,0 +1,264 @@
+"""The engine: one step = schedule → run → sample → postprocess.
+
+``Engine`` owns a model runner, a scheduler and a sampler, and turns sampled tokens into
+per-request updates (text deltas, finish reasons). It is synchronous and single-threaded;
+services drive it from their own loop, ``generate`` drives it offline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from common.config import EngineConfig, available_cpus
+from common.engine.block_pool import BlockPool, KVEvent
+from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.request import FinishReason, Request, Sequence, TokenLogprob
+from common.engine.runner import ModelRunner
+from common.engine.sampler import Sampler
+from common.engine.scheduler import Scheduler
+from common.engine.setup import LoadedModel, load_model, plan_cache
+from common.errors import InvalidRequestError, PromptTooLongError
+from common.model.tokenizer import TextStream
+from common.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """What one step did for one choice of a request."""
+
+    request_id: str
+    choice: int
+    token_ids: list[int]  # new tokens
+    text: str  # new text (empty without a tokenizer)
+    logprobs: list[TokenLogprob]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    streams: dict[int, TextStream] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        torch.set_num_threads(config.threads or available_cpus())
+        self.config = config
+        self.loaded = loaded or load_model(config.model)
+        self.tokenizer = self.loaded.tokenizer
+        self.spec = self.loaded.spec
+        self.cache_plan = plan_cache(config, self.loaded)
+        self.max_model_len = self.cache_plan.max_model_len
+        pool = BlockPool(self.cache_plan.num_blocks, config.cache.enable_prefix_caching)
+        self.pool = pool
+        self.kv = KVCacheManager(pool, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.loaded.model, self.kv, self.cache_plan.num_blocks,
+                                  self.cache_plan.dtype, self.loaded.backend)
+        self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self._requests: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        log.info("%s", self.describe())
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        return tuple(dict.fromkeys(ids + self.spec.eos_token_ids))
+
+    def describe(self) -> str:
+        p = self.cache_plan
+        return (f"model {self.loaded.name}: {self.spec.num_params() / 1e6:.1f}M params, "
+                f"{self.loaded.dtype}, {self.runner.device}, attention {self.loaded.backend.name}, "
+                f"{torch.get_num_threads()} threads; KV cache {p.num_blocks} blocks x "
+                f"{self.config.cache.block_size} tokens = {p.num_tokens} tokens "
+                f"({p.nbytes / 2**30:.2f} GiB); max model len {self.max_model_len}")
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        max_tokens = self._check_prompt(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens)
+        self._requests[request_id] = _Tracked(request)
+        self.scheduler.add(request.seqs[0])
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return False
+        for seq in tracked.request.seqs:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    # ---- the step -------------------------------------------------------------------
+
+    def step(self) -> list[SeqUpdate]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        self.scheduler.advance(out)
+        seqs, logits = self._expand_forks(result.seqs, result.logits)
+        sampled = self.sampler(logits, seqs)
+        now = time.monotonic()
+        updates = [self._postprocess(seq, token, lp, now)
+                   for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True)]
+        return updates
+
+    def _expand_forks(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """A request with n > 1 forks when its prompt is done; all n choices sample its logits."""
+        rows: list[int] = []
+        expanded: list[Sequence] = []
+        for i, seq in enumerate(seqs):
+            rows.append(i)
+            expanded.append(seq)
+            request = seq.request
+            if request.params.n > 1 and len(request.seqs) == 1:
+                children = request.fork(seq)
+                for child in children:
+                    self.kv.fork(seq, child)
+                self.scheduler.adopt_forks(seq, children)
+                rows.extend([i] * len(children))
+                expanded.extend(children)
+        if len(rows) == len(seqs):
+            return seqs, logits
+        return expanded, logits[torch.tensor(rows)]
+
+    def _postprocess(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> SeqUpdate:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        tracked = self._requests[seq.request.request_id]
+        reason, stop = self._check_stop(seq, token)
+        text = ""
+        stream = self._stream(tracked, seq)
+        if stream is not None:
+            delta = stream.push(token)
+            if delta.stop is not None and reason is None:
+                reason, stop = FinishReason.STOP, delta.stop
+            text = delta.text + (stream.finish().text if reason is not None else "")
+            tracked.texts.setdefault(seq.choice, []).append(text)
+        if reason is not None:
+            seq.stop_reason = stop
+            self.scheduler.finish(seq, reason)
+        lps = [logprob] if logprob is not None else []
+        return SeqUpdate(seq.request.request_id, seq.choice, [token], text, lps, reason, stop)
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, int | None]:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP, None
+        if token in p.stop_token_ids:
+            return FinishReason.STOP, token
+        if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _stream(self, tracked: _Tracked, seq: Sequence) -> TextStream | None:
+        if self.tokenizer is None:
+            return None
+        stream = tracked.streams.get(seq.choice)
+        if stream is None:
+            p = seq.params
+            stream = TextStream(self.tokenizer, seq.request.prompt_token_ids, p.stop, p.skip_special_tokens)
+            tracked.streams[seq.choice] = stream
+        return stream
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> int:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.spec.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens but this model's maximum context length is "
+                f"{limit} tokens (--max-model-len), and at least one must be left to generate")
+        if params.max_tokens is None:
+            return limit - len(ids)
+        if len(ids) + params.max_tokens > limit:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
+                f"and max_tokens asks for {params.max_tokens} more")
+        return params.max_tokens
+
+    # ---- results --------------------------------------------------------------------
+
+    def finished_output(self, request_id: str) -> RequestOutput | None:
+        """The final result of a finished request (and forget it), else None."""
+        tracked = self._requests.get(request_id)
+        if tracked is None or not tracked.request.is_finished:
+            return None
+        del self._requests[request_id]
+        request = tracked.request
+        choices = [
+            Choice(seq.choice, "".join(tracked.texts.get(seq.choice, [])), seq.output_token_ids,
+                   seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
+                   seq.logprobs if request.params.logprobs is not None else None)
+            for seq in request.seqs
+        ]
+        return RequestOutput(request_id, request.prompt_token_ids, choices, request.seqs[0].num_cached_tokens)
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion (offline use); results in input order."""
+        prompts = list(prompts)
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, all_params, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for update in self.step():
+                if update.finish_reason is not None:
+                    done = self.finished_output(update.request_id)
+                    if done is not None:
+                        results[update.request_id] = done
+        return [results[i] for i in ids]

@@ -1,0 +1,117 @@
+"""The model runner: owner of the weights, the KV-cache tensor and every per-step tensor.
+
+The cache is one tensor ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``:
+block-major, so one block of one sequence (all layers, K and V) is a single contiguous
+buffer — a copy-on-write is one slice copy and a KV transfer is one frame per block.
+``execute`` turns a ``SchedulerOutput`` into input tensors, runs the model and returns
+the logits of the positions that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.request import Sequence
+from common.engine.scheduler import ScheduledChunk, SchedulerOutput
+from common.model.llama import LlamaModel
+from kernels.attention import AttentionBackend, AttentionMetadata, PrefillSpan
+
+
+@dataclass(slots=True)
+class StepResult:
+    seqs: list[Sequence]  # the sequences that sample, in logits row order
+    logits: torch.Tensor  # [len(seqs), vocab] fp32
+
+
+@dataclass(slots=True)
+class _Inputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
+    sample_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCacheManager, num_blocks: int,
+                 cache_dtype: torch.dtype, backend: AttentionBackend) -> None:
+        s = model.spec
+        self.model, self.kv, self.backend = model, kv, backend
+        self.device = model.embed.device
+        self.block_size = kv.block_size
+        self.kv_cache = torch.zeros(num_blocks, s.num_layers, 2, kv.block_size, s.num_kv_heads,
+                                    s.head_dim, dtype=cache_dtype, device=self.device)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.kv_cache[0].numel() * self.kv_cache.element_size()
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self.copy_blocks(out.block_copies)
+        inputs = self._prepare(out.chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend)
+        logits = self.model.logits(hidden[inputs.sample_rows])
+        return StepResult(inputs.sample_seqs, logits)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src, dst = zip(*copies, strict=True)
+            self.kv_cache[list(dst)] = self.kv_cache[list(src)]
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> _Inputs:
+        # Single-token chunks first: the decode kernel takes them as one batch.
+        decodes = [c for c in chunks if c.num_new_tokens == 1]
+        prefills = [c for c in chunks if c.num_new_tokens > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables = [self.kv.block_ids(c.seq) for c in decodes + prefills]
+        for chunk, table in zip(decodes + prefills, tables, strict=True):
+            self._append_chunk(chunk, table, ids, positions, slots)
+        meta = self._metadata(decodes, prefills, tables, slots)
+        sample_rows, sample_seqs, row = [], [], 0
+        for chunk in decodes + prefills:
+            row += chunk.num_new_tokens
+            if chunk.samples:
+                sample_rows.append(row - 1)
+                sample_seqs.append(chunk.seq)
+        tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return _Inputs(tensor(ids), tensor(positions), meta, tensor(sample_rows), sample_seqs)
+
+    def _append_chunk(self, chunk: ScheduledChunk, table: list[int], ids: list[int],
+                      positions: list[int], slots: list[int]) -> None:
+        bs = self.block_size
+        span = range(chunk.start, chunk.start + chunk.num_new_tokens)
+        ids.extend(chunk.seq.token_ids[span.start : span.stop])
+        positions.extend(span)
+        slots.extend(table[p // bs] * bs + p % bs for p in span)
+
+    def _metadata(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
+                  tables: list[list[int]], slots: list[int]) -> AttentionMetadata:
+        nd = len(decodes)
+        spans, start = [], nd
+        for row, chunk in enumerate(prefills):
+            context = chunk.start + chunk.num_new_tokens
+            spans.append(PrefillSpan(start, chunk.num_new_tokens, context, row))
+            start += chunk.num_new_tokens
+        query_start = [nd] + [s.start + s.num_new for s in spans]
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode=nd,
+            decode_block_tables=self._table_tensor(tables[:nd]),
+            decode_context_lens=self._int32([c.start + 1 for c in decodes]),
+            prefills=spans,
+            prefill_block_tables=self._table_tensor(tables[nd:]),
+            prefill_query_start=self._int32([q - nd for q in query_start]),
+            prefill_context_lens=self._int32([s.num_context for s in spans]),
+        )
+
+    def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max((len(t) for t in tables), default=1)
+        return self._int32([t + [0] * (width - len(t)) for t in tables] or [[0]])
+
+    def _int32(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=self.device)

@@ -1,0 +1,145 @@
+"""Continuous batching with chunked prefill, FCFS, preemption by recompute.
+
+Each step has a token budget (``max_num_batched_tokens``). Running sequences are served
+first, in arrival order: a decode takes one token, an unfinished prefill its next chunk.
+What budget remains admits waiting sequences, also in arrival order, each with as large
+a chunk as fits. When the cache cannot hold a running sequence's next tokens, the most
+recently arrived running sequence is preempted: its blocks are freed and it goes back to
+the head of the queue, to be recomputed (mostly from the prefix cache) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.config import SchedulerConfig
+from common.engine.kv_cache_manager import CachedPrefix, KVCacheManager
+from common.engine.request import FinishReason, SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the end of the sequence's known tokens, so it yields a token."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def adopt_forks(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Forked sequences join the running batch right behind their parent."""
+        at = self.running.index(parent) + 1
+        for child in children:
+            child.status = SeqStatus.RUNNING
+        self.running[at:at] = children
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:  # a cache that just ran out takes no newcomers
+            self._schedule_waiting(out, budget)
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Record that the step computed its chunks' KV."""
+        for chunk in out.chunks:
+            chunk.seq.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            self.kv.cache_computed_blocks(chunk.seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        self.kv.free(seq)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, num_new, out):
+                break  # seq itself was preempted; everything after it is gone too
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.can_allocate(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        self.kv.allocate(seq, num_new)
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.kv.find_cached_prefix(seq)
+            remaining = seq.num_tokens - prefix.num_tokens
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            if not self.kv.can_allocate(seq, num_new, prefix):
+                break
+            self._admit(seq, num_new, prefix, out)
+            budget -= num_new
+
+    def _admit(self, seq: Sequence, num_new: int, prefix: CachedPrefix, out: SchedulerOutput) -> None:
+        self.kv.allocate(seq, num_new, prefix)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = prefix.num_tokens
+        self.waiting.popleft()
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,121 @@
+"""The Llama-family transformer over a paged KV cache (Llama, SmolLM2, Mistral, Qwen2).
+
+The forward pass takes a step's tokens flattened into one batch (no padding), so GEMMs
+see every token of every sequence at once; only attention cares where one sequence ends
+and the next begins, and that is the attention backend's business (``kernels.attention``).
+Projections are fused (q|k|v and gate|up) to halve the number of GEMM launches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from common.model.spec import ModelSpec
+from kernels.attention import AttentionBackend, AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, C]; normalised in fp32 like the reference implementation."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:  # [D/2]
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / float(scaling["factor"])
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: Mapping) -> torch.Tensor:
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D/2]; rotates the two halves of each head."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.spec = spec
+        s = spec
+        p = lambda *shape: torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),  # noqa: E731
+                                              requires_grad=False)
+        self.embed = p(s.vocab_size, s.hidden_size)
+        self.lm_head = self.embed if s.tie_word_embeddings else p(s.vocab_size, s.hidden_size)
+        self.norm = p(s.hidden_size)
+        self.layers = torch.nn.ModuleList(_Layer(s, p) for _ in range(s.num_layers))
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(s))
+        self.register_buffer("rope_cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+        self.scale = s.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [NB, L, 2, BS, KVH, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = F.embedding(input_ids, self.embed)
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend, self.scale)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] of the positions to sample from → [S, vocab] fp32 logits."""
+        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, s: ModelSpec, p) -> None:
+        super().__init__()
+        self.s = s
+        self.input_norm = p(s.hidden_size)
+        self.qkv = p(s.q_size + 2 * s.kv_size, s.hidden_size)
+        self.qkv_bias = p(s.q_size + 2 * s.kv_size) if s.qkv_bias else None
+        self.o = p(s.hidden_size, s.q_size)
+        self.o_bias = p(s.hidden_size) if s.o_bias else None
+        self.post_norm = p(s.hidden_size)
+        self.gate_up = p(2 * s.intermediate_size, s.hidden_size)
+        self.gate_up_bias = p(2 * s.intermediate_size) if s.mlp_bias else None
+        self.down = p(s.hidden_size, s.intermediate_size)
+        self.down_bias = p(s.hidden_size) if s.mlp_bias else None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend, scale) -> torch.Tensor:
+        s = self.s
+        num_tokens = x.shape[0]
+        qkv = F.linear(rms_norm(x, self.input_norm, s.rms_norm_eps), self.qkv, self.qkv_bias)
+        q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
+        q = apply_rope(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)
+        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+        attn = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+        x = x + F.linear(attn.reshape(num_tokens, s.q_size), self.o, self.o_bias)
+        gate, up = F.linear(rms_norm(x, self.post_norm, s.rms_norm_eps), self.gate_up,
+                            self.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down, self.down_bias)

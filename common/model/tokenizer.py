@@ -1,0 +1,132 @@
+"""Tokenizer, chat template and incremental detokenization with stop strings.
+
+``Tokenizer`` wraps the HF fast tokenizer shipped with the model (and its chat template).
+``TextStream`` turns one sequence's output tokens into text as they arrive: it handles
+multi-byte characters split across tokens, finds stop strings even when they straddle
+token boundaries, and holds back the few characters that could still begin a stop
+string so a streaming client never sees text that is later cut.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Tokens of the prompt decoded along with the output, so the first output token gets
+# its leading space right (SentencePiece drops it at the start of a string).
+_CONTEXT_TOKENS = 5
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, directory: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(directory))
+        self.eos_token_ids = _eos_ids(self.hf, directory)
+
+    @classmethod
+    def maybe_load(cls, directory: Path) -> Tokenizer | None:
+        """None for a weights-only directory (such models accept token ids only)."""
+        names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+        return cls(directory) if any((directory / n).is_file() for n in names) else None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        """A completion prompt: special tokens (BOS) added as the model expects."""
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        if not self.hf.chat_template:
+            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        try:
+            text = self.hf.apply_chat_template(list(messages), tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja raises on messages the template cannot render
+            raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
+        # The template writes BOS itself where the model wants one.
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """How one token reads on its own (for logprobs)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+
+def _eos_ids(hf, directory: Path) -> tuple[int, ...]:
+    ids: list[int] = [] if hf.eos_token_id is None else [hf.eos_token_id]
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        ids += value if isinstance(value, list) else [] if value is None else [value]
+    return tuple(dict.fromkeys(ids))
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str  # new text safe to show
+    stop: str | None = None  # the stop string that ended the sequence, if any
+
+
+class TextStream:
+    """Detokenizes one sequence incrementally and watches for stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self._stop = tuple(stop)
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""  # all output text so far, cut at a stop string
+        self._emitted = 0
+        self.stopped: str | None = None
+
+    def push(self, token_id: int) -> Delta:
+        """Add one output token; returns what can be shown now."""
+        if self.stopped is not None:
+            return Delta("", self.stopped)
+        before = len(self.text)
+        self.text += self._decode_next(token_id)
+        self._find_stop(before)
+        return self._take(final=self.stopped is not None)
+
+    def finish(self) -> Delta:
+        """The sequence ended: release any held-back text."""
+        return self._take(final=True)
+
+    def _decode_next(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 character: wait for the next token
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix) :]
+
+    def _find_stop(self, before: int) -> None:
+        if not self._stop:
+            return
+        start = max(0, before - self._holdback)
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            index, self.stopped = min(hits)
+            self.text = self.text[:index]
+
+    def _take(self, final: bool) -> Delta:
+        end = len(self.text) if final else max(self._emitted, len(self.text) - self._holdback)
+        delta, self._emitted = self.text[self._emitted : end], end
+        return Delta(delta, self.stopped)

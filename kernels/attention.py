@@ -1,0 +1,152 @@
+"""Attention over the paged KV cache for one engine step, and the choice of kernels.
+
+A step's tokens come back to back: first the sequences with one new token (decodes, and
+prefill chunks of length one), then the prefill chunks. ``AttentionMetadata`` describes
+that layout; a backend turns it into kernel calls. ``TritonBackend`` runs on CUDA,
+``TorchBackend`` everywhere else (with the fused C decode kernel when it compiled).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence's chunk of new tokens within the step."""
+
+    start: int  # first row of the chunk in the step's token batch
+    num_new: int
+    num_context: int  # tokens cached for the sequence after this step, new ones included
+    row: int  # the sequence's row in ``AttentionMetadata.prefill_block_tables``
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.num_context > self.num_new
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    num_decode: int  # rows 0..num_decode-1 are single-token sequences
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decode] int32
+    prefills: list[PrefillSpan]
+    prefill_block_tables: torch.Tensor  # [len(prefills), max_blocks] int32
+    prefill_query_start: torch.Tensor  # [len(prefills)+1] int32
+    prefill_context_lens: torch.Tensor  # [len(prefills)] int32
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        k_cache: torch.Tensor,  # [NB, BS, KVH, D], written in place
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Store the new tokens' K/V in their slots, then attend for every new token."""
+        ...
+
+
+class TorchBackend:
+    """CPU path: SDPA for prefill chunks, the fused C kernel (or the reference) for decodes."""
+
+    def __init__(self, use_c_kernel: bool = True) -> None:
+        self._c_decode = _load_c_decode() if use_c_kernel else None
+        self.name = "torch+c" if self._c_decode else "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            decode = self._c_decode or reference.paged_decode_attention
+            out[:nd] = decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                              meta.decode_context_lens, scale)
+        for span in meta.prefills:
+            rows = slice(span.start, span.start + span.num_new)
+            if span.has_prefix:
+                ids = meta.prefill_block_tables[span.row]
+                ks = reference.gather_kv(k_cache, ids, span.num_context)
+                vs = reference.gather_kv(v_cache, ids, span.num_context)
+                out[rows] = _sdpa(q[rows], ks, vs, scale, prefix=span.num_context - span.num_new)
+            else:
+                out[rows] = _sdpa(q[rows], k[rows], v[rows], scale, prefix=0)
+        return out
+
+
+class TritonBackend:
+    """CUDA path: every operation is a Triton kernel."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels import triton_attention
+
+        self._ops = triton_attention
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self._ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = self._ops.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        if meta.prefills:
+            out[nd:] = self._ops.paged_prefill_attention(
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
+                meta.prefill_context_lens, scale)
+        return out
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":
+        return TritonBackend()
+    return TorchBackend()
+
+
+def _sdpa(
+    q: torch.Tensor,  # [Q, H, D]
+    k: torch.Tensor,  # [K, KVH, D], K = prefix + Q
+    v: torch.Tensor,
+    scale: float,
+    prefix: int,
+) -> torch.Tensor:  # [Q, H, D]
+    # 4-D inputs with as many KV heads as query heads reach torch's fused CPU kernel;
+    # 3-D or grouped inputs fall back to the unfused math path, 3-30x slower here.
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if prefix == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        visible = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(diagonal=prefix)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def _load_c_decode():
+    try:
+        from kernels import cpu_attention
+    except ImportError:  # pragma: no cover - the module is part of the package
+        return None
+    if not cpu_attention.available():
+        log.info("fused C decode kernel unavailable; using the torch reference")
+        return None
+    return cpu_attention.paged_decode_attention

@@ -1,0 +1,64 @@
+"""What this machine could do at best, measured now: GEMM rate, memory read bandwidth,
+and the FLOPs a generation workload needs. Benchmarks divide by these to report a
+fraction of the physical limit measured in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from common.model.spec import ModelSpec
+
+
+def _best_seconds(fn: Callable[[], object], min_time: float = 0.3, reps: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        n, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < min_time or n == 0:
+            fn()
+            n += 1
+        best = min(best, elapsed / n)
+    return best
+
+
+def gemm_gflops(spec: ModelSpec, rows: int = 64) -> float:
+    """Best fp32 GEMM rate over the model's own decode-shaped products (rows x K x N).
+
+    The same shapes as the peers' ``phys_limit.py`` (64 x hidden x intermediate, its
+    transpose, and the LM head), so fractions compare with the figures quoted for vLLM.
+    """
+    shapes = [(spec.hidden_size, spec.intermediate_size), (spec.intermediate_size, spec.hidden_size),
+              (spec.hidden_size, spec.vocab_size)]
+    best = 0.0
+    for k, n in shapes:
+        a, b = torch.randn(rows, k), torch.randn(n, k)
+        seconds = _best_seconds(lambda a=a, b=b: torch.nn.functional.linear(a, b))
+        best = max(best, 2.0 * rows * k * n / seconds / 1e9)
+    return best
+
+
+def read_bandwidth_gbs(nbytes: int = 512 * 2**20) -> float:
+    """Memory read bandwidth: summing a buffer far larger than the last-level cache."""
+    x = torch.ones(nbytes // 4)
+    return nbytes / _best_seconds(x.sum) / 1e9
+
+
+def generation_flops(spec: ModelSpec, prompt_len: int, output_len: int, num_prompts: int) -> float:
+    """Model FLOPs of a workload: 2 x non-embedding params per processed token, the LM head
+    per generated token, and causal attention (QK^T and PV) over each token's context."""
+    body = spec.num_params(with_embeddings=False)
+    processed = prompt_len + output_len - 1  # the last token is sampled, never fed back
+    lm_head = 2.0 * spec.vocab_size * spec.hidden_size
+    attn_per_position = 4.0 * spec.num_layers * spec.num_heads * spec.head_dim
+    context_sum = processed * (processed + 1) / 2  # token at position p attends to p+1 keys
+    per_prompt = 2.0 * body * processed + lm_head * output_len + attn_per_position * context_sum
+    return per_prompt * num_prompts
+
+
+def weight_bytes_per_token(spec: ModelSpec, element_size: int = 4) -> int:
+    """Bytes a batch-1 decode step must stream: every weight once (the tied LM head too)."""
+    return spec.num_params(with_embeddings=False) * element_size + spec.vocab_size * spec.hidden_size * element_size

@@ -1,0 +1,1 @@
+"""The Tandem services and the `tandem` command line."""

