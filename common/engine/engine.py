@@ -17,8 +17,9 @@ import torch
 
 from common.config import EngineConfig, available_cpus
 from common.engine.block_pool import BlockPool, KVEvent
+from common.engine.handoff import Handoff, build_handoff, live_seqs, rebuild_request
 from common.engine.kv_cache_manager import KVCacheManager
-from common.engine.request import FinishReason, Request, Sequence, TokenLogprob
+from common.engine.request import FinishReason, Request, SeqStatus, Sequence, TokenLogprob
 from common.engine.runner import ModelRunner
 from common.engine.sampler import Sampler
 from common.engine.scheduler import Scheduler
@@ -36,6 +37,7 @@ class SeqUpdate:
 
     request_id: str
     choice: int
+    index: int  # position of token_ids[0] in the choice's output
     token_ids: list[int]  # new tokens
     text: str  # new text (empty without a tokenizer)
     logprobs: list[TokenLogprob]
@@ -69,9 +71,12 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 detokenize: bool = True) -> None:
+        """``detokenize=False`` leaves text and stop strings to the caller (the gateway)."""
         torch.set_num_threads(config.threads or available_cpus())
         self.config = config
+        self.detokenize = detokenize
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         self.spec = self.loaded.spec
@@ -85,6 +90,7 @@ class Engine:
                                   self.cache_plan.dtype, self.loaded.backend)
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self._requests: dict[str, _Tracked] = {}
+        self._handoffs_taken: set[str] = set()
         self._ids = itertools.count()
         log.info("%s", self.describe())
 
@@ -104,22 +110,62 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, prefill_only: bool = False) -> str:
+        """Queue a request. ``prefill_only``: stop after the first token and keep the KV
+        for a handoff (see ``take_handoffs``)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         max_tokens = self._check_prompt(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, max_tokens)
+        request = Request(request_id, list(prompt_token_ids), params, max_tokens,
+                          prefill_only=prefill_only)
         self._requests[request_id] = _Tracked(request)
         self.scheduler.add(request.seqs[0])
         return request_id
 
     def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is, freeing its blocks (also ends a handoff)."""
         tracked = self._requests.pop(request_id, None)
+        self._handoffs_taken.discard(request_id)
         if tracked is None:
             return False
         for seq in tracked.request.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    def take_handoffs(self) -> list[Handoff]:
+        """Prefill-only requests whose every choice has its first token, each once."""
+        ready = []
+        for rid, tracked in self._requests.items():
+            request = tracked.request
+            if request.prefill_only and rid not in self._handoffs_taken and request.ready_for_handoff:
+                self._handoffs_taken.add(rid)
+                detached = next(s for s in request.seqs if s.status is SeqStatus.DETACHED)
+                ready.append(build_handoff(request, self.kv.block_ids(detached)))
+        return ready
+
+    def add_prefilled(self, handoff: Handoff, payload: list[memoryview]) -> bool:
+        """Take in a request prefilled elsewhere; False when the cache has no room yet."""
+        if handoff.request_id in self._requests:
+            raise InvalidRequestError(f"request id {handoff.request_id!r} is already in use")
+        request = rebuild_request(handoff, self._check_prompt(handoff.prompt_token_ids, handoff.params))
+        live = live_seqs(request)
+        if live:
+            parent, num_prompt = live[0], len(handoff.prompt_token_ids)
+            parent.num_computed_tokens = 0
+            if not self.kv.can_allocate(parent, num_prompt):
+                return False
+            self.kv.allocate(parent, num_prompt)
+            parent.num_computed_tokens = num_prompt
+            self.runner.write_blocks(self.kv.block_ids(parent), payload)
+            self.kv.cache_computed_blocks(parent)
+            for child in live[1:]:
+                self.kv.fork(parent, child)
+            now = time.monotonic()
+            for seq in live:
+                seq.first_token_time = now
+            self.scheduler.add_running(live)
+        self._requests[request.request_id] = _Tracked(request)
         return True
 
     @property
@@ -190,8 +236,11 @@ class Engine:
         if reason is not None:
             seq.stop_reason = stop
             self.scheduler.finish(seq, reason)
+        elif seq.request.prefill_only:
+            self.scheduler.detach(seq)
         lps = [logprob] if logprob is not None else []
-        return SeqUpdate(seq.request.request_id, seq.choice, [token], text, lps, reason, stop)
+        return SeqUpdate(seq.request.request_id, seq.choice, seq.num_output_tokens - 1, [token], text,
+                         lps, reason, stop)
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, int | None]:
         p = seq.params
@@ -204,7 +253,7 @@ class Engine:
         return None, None
 
     def _stream(self, tracked: _Tracked, seq: Sequence) -> TextStream | None:
-        if self.tokenizer is None:
+        if self.tokenizer is None or not self.detokenize:
             return None
         stream = tracked.streams.get(seq.choice)
         if stream is None:

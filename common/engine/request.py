@@ -26,6 +26,7 @@ class FinishReason(str, enum.Enum):
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    DETACHED = "detached"  # prefill done, blocks kept for a KV handoff
     FINISHED = "finished"
 
 
@@ -87,6 +88,7 @@ class Request:
     max_tokens: int  # resolved against the context limit
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
+    prefill_only: bool = False  # stop after the first token and hand the KV off
 
     def __post_init__(self) -> None:
         if not self.seqs:
@@ -95,6 +97,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+    @property
+    def ready_for_handoff(self) -> bool:
+        """Every choice has its first token and some still need decoding elsewhere."""
+        done = len(self.seqs) == self.params.n and all(
+            s.status in (SeqStatus.DETACHED, SeqStatus.FINISHED) for s in self.seqs)
+        return done and any(s.status is SeqStatus.DETACHED for s in self.seqs)
 
     def fork(self, parent: Sequence) -> list[Sequence]:
         """Create the remaining choices as copies of ``parent`` (prompt computed, no output)."""

@@ -61,6 +61,24 @@ class ModelRunner:
             src, dst = zip(*copies, strict=True)
             self.kv_cache[list(dst)] = self.kv_cache[list(src)]
 
+    def block_views(self, block_ids: list[int]) -> list[memoryview]:
+        """Each block's bytes (all layers, K and V), without a copy on the CPU."""
+        if self.device.type == "cpu":
+            return [_byte_view(self.kv_cache[b]) for b in block_ids]
+        return [_byte_view(self.kv_cache[b].cpu()) for b in block_ids]
+
+    def write_blocks(self, block_ids: list[int], payload: list[memoryview]) -> None:
+        """Fill blocks with bytes shipped from another worker's cache of the same layout."""
+        for block_id, buf in zip(block_ids, payload, strict=True):
+            src = torch.frombuffer(buf, dtype=torch.uint8)
+            self.kv_cache[block_id].view(-1).view(torch.uint8).copy_(src)
+
+    @property
+    def layout(self) -> list[int]:
+        """What a peer's cache must match for blocks to be copied byte for byte."""
+        _, layers, _, bs, kvh, dim = self.kv_cache.shape
+        return [layers, bs, kvh, dim, self.kv_cache.element_size()]
+
     def _prepare(self, chunks: list[ScheduledChunk]) -> _Inputs:
         # Single-token chunks first: the decode kernel takes them as one batch.
         decodes = [c for c in chunks if c.num_new_tokens == 1]
@@ -115,3 +133,7 @@ class ModelRunner:
 
     def _int32(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())

@@ -87,10 +87,21 @@ class Scheduler:
             return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         self.kv.free(seq)
+
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch but keep its blocks (KV handoff)."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.DETACHED
+
+    def add_running(self, seqs: list[Sequence]) -> None:
+        """Sequences whose KV arrived already computed join the batch directly."""
+        for seq in seqs:
+            seq.status = SeqStatus.RUNNING
+        self.running.extend(seqs)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

@@ -1,0 +1,103 @@
+"""The two roles of the KV connector and how a worker uses them.
+
+Prefill worker (sender)::
+
+    sender.send(addr, header, blocks)   # non-blocking; the buffers must stay untouched
+    ...                                 # keep stepping the engine
+    for ack in sender.poll_acks():      # the receiver has the bytes: free the blocks
+        ...
+
+Decode worker (receiver)::
+
+    for transfer in receiver.poll():    # complete transfers only, validated
+        ...                             # copy transfer.blocks into the cache
+        receiver.ack(transfer, ok=True)
+
+Guarantees common to every transport:
+- A transfer arrives whole or not at all: ``poll`` never yields a partial transfer, and a
+  transfer that fails midway is dropped by the receiver (its buffers released) and
+  nacked when the sender can still be told.
+- Each block frame has exactly ``header.block_nbytes`` bytes and there are exactly
+  ``header.num_blocks`` of them; anything else is rejected before the worker sees it.
+- The connector never owns KV-cache blocks: it reads the sender's buffers in place and
+  hands the receiver buffers to copy from. Freeing blocks is the workers' business
+  (``common.connector.lease`` on the sender side).
+- Neither role blocks the caller except ``poll(timeout_ms)`` when asked to wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from common.protocol import KVAck, KVHandoff
+
+MAX_BLOCK_FRAME_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class ReceivedTransfer:
+    header: KVHandoff
+    blocks: list[memoryview]  # num_blocks buffers of block_nbytes each, read-only
+    peer: object  # transport-specific return address for the ack
+
+
+class KVSender(Protocol):
+    def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
+        """Queue one transfer to the receiver at ``addr``; returns at once."""
+        ...
+
+    def poll_acks(self) -> list[KVAck]:
+        """Acks (and nacks) that arrived since the last call."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class KVReceiver(Protocol):
+    address: str  # what senders connect to
+
+    def poll(self, timeout_ms: int = 0) -> list[ReceivedTransfer]:
+        """Transfers that completed since the last call (waits up to ``timeout_ms`` for one)."""
+        ...
+
+    def ack(self, transfer: ReceivedTransfer, ok: bool, reason: str = "") -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_transfer(header: KVHandoff, frames: Sequence[memoryview]) -> str | None:
+    """Why a transfer's frames do not match its header, or None when they do."""
+    if header.num_blocks != len(frames):
+        return f"expected {header.num_blocks} block frames, got {len(frames)}"
+    if header.block_nbytes > MAX_BLOCK_FRAME_BYTES:
+        return f"block of {header.block_nbytes} bytes exceeds {MAX_BLOCK_FRAME_BYTES}"
+    bad = next((i for i, f in enumerate(frames) if f.nbytes != header.block_nbytes), None)
+    if bad is not None:
+        return f"block frame {bad} has {frames[bad].nbytes} bytes, expected {header.block_nbytes}"
+    return None
+
+
+def make_sender(kind: str) -> KVSender:
+    if kind == "zmq":
+        from common.connector.zmq import ZmqSender
+
+        return ZmqSender()
+    if kind == "ucx":
+        from common.connector.ucx import UcxSender
+
+        return UcxSender()
+    raise ValueError(f"unknown KV transport {kind!r} (zmq or ucx)")
+
+
+def make_receiver(kind: str, address: str) -> KVReceiver:
+    if kind == "zmq":
+        from common.connector.zmq import ZmqReceiver
+
+        return ZmqReceiver(address)
+    if kind == "ucx":
+        from common.connector.ucx import UcxReceiver
+
+        return UcxReceiver(address)
+    raise ValueError(f"unknown KV transport {kind!r} (zmq or ucx)")

@@ -1,0 +1,102 @@
+"""ZeroMQ transport for KV transfers (tcp:// or ipc://).
+
+One multipart message per transfer: ``[header, block 0, ..., block n-1]``. ZeroMQ
+delivers a multipart message atomically, so a transfer is whole or absent. The sender
+passes the cache blocks' memory with ``copy=False``: the bytes go from the KV cache to
+the socket without an intermediate copy (the lease keeps the blocks alive meanwhile).
+The receiver binds a ROUTER socket; acks go back on it to the sender's DEALER.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zmq
+
+from common.connector.base import MAX_BLOCK_FRAME_BYTES, ReceivedTransfer, check_transfer
+from common.protocol import KVAck, KVHandoff, ProtocolError, decode, encode
+
+
+class ZmqSender:
+    def __init__(self, context: zmq.Context | None = None) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self._sockets: dict[str, zmq.Socket] = {}
+
+    def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
+        sock = self._socket(addr)
+        sock.send_multipart([encode(header), *blocks], copy=False)
+
+    def poll_acks(self) -> list[KVAck]:
+        acks = []
+        for sock in self._sockets.values():
+            while sock.poll(0):
+                try:
+                    msg = decode(sock.recv())
+                except ProtocolError:
+                    continue  # a confused peer: its transfer will hit the lease deadline
+                if isinstance(msg, KVAck):
+                    acks.append(msg)
+        return acks
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+
+    def _socket(self, addr: str) -> zmq.Socket:
+        sock = self._sockets.get(addr)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop a transfer; leases bound the backlog
+            sock.connect(addr)
+            self._sockets[addr] = sock
+        return sock
+
+
+class ZmqReceiver:
+    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BLOCK_FRAME_BYTES)  # per frame
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        if address.startswith("tcp://") and address.endswith(":0"):
+            self._sock.bind(address)
+            address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self._sock.bind(address)
+        self.address = address
+
+    def poll(self, timeout_ms: int = 0) -> list[ReceivedTransfer]:
+        out: list[ReceivedTransfer] = []
+        wait = timeout_ms
+        while self._sock.poll(wait):
+            wait = 0
+            identity, head, *frames = self._sock.recv_multipart(copy=False)
+            transfer = self._accept(identity.bytes, head.buffer, [f.buffer for f in frames])
+            if transfer is not None:
+                out.append(transfer)
+        return out
+
+    def ack(self, transfer: ReceivedTransfer, ok: bool, reason: str = "") -> None:
+        self._reply(transfer.peer, transfer.header.transfer_id, ok, reason)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def _accept(self, identity: bytes, head: memoryview, frames: list[memoryview]) -> ReceivedTransfer | None:
+        try:
+            header = decode(head)
+        except ProtocolError as e:
+            self._reply(identity, "", False, str(e))
+            return None
+        if not isinstance(header, KVHandoff):
+            self._reply(identity, "", False, f"expected kv_handoff, got {header.TAG}")
+            return None
+        problem = check_transfer(header, frames)
+        if problem:
+            self._reply(identity, header.transfer_id, False, problem)
+            return None
+        return ReceivedTransfer(header, frames, identity)
+
+    def _reply(self, identity: bytes, transfer_id: str, ok: bool, reason: str) -> None:
+        self._sock.send_multipart([identity, encode(KVAck(transfer_id, ok, reason))])

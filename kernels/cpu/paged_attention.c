@@ -1,0 +1,560 @@
+/*
+ * Fused paged decode attention for the CPU: one query per sequence attends to every
+ * cached position of that sequence. Plain C + OpenMP, no torch headers; the loader is
+ * kernels/cpu_attention.py, the oracle is kernels/reference.py (paged_decode_attention).
+ *
+ * Layout (element strides, not bytes):
+ *   q, out        [B, H, D] float32, contiguous
+ *   k/v cache     element (blk, tok, kvh, d) at base + blk*block_stride + tok*token_stride
+ *                 + kvh*head_stride + d; element type float32, float16 or bfloat16
+ *   block_tables  int32 [B, *], row i at block_tables + i*bt_stride
+ *   context_lens  int32 [B]
+ * Query head h reads kv head h / (H / KVH).
+ *
+ * A work item is a sequence (all its kv heads) or, when there are too few sequences to
+ * keep the threads busy, one kv head of a sequence. All G = H/KVH query heads of a kv
+ * head are computed together, so each K/V row is read from memory once. Two passes:
+ *   1. scores[qh][t] = scale * q[qh].K[t]  (into a per-thread buffer, max context long)
+ *   2. p = exp(scores - max), out[qh] = sum_t p[qh][t] V[t] / sum_t p[qh][t]
+ * Float32 accumulation throughout, no -ffast-math: AVX2+FMA intrinsics where the build
+ * has them (register tiles; a polynomial exp with < 2e-7 relative error), scalar C
+ * otherwise (also for head_dim not a multiple of 8).
+ *
+ * Memory: the blocks of a sequence are scattered, and a core that stalls on a K/V miss
+ * does no arithmetic meanwhile, so both passes software-prefetch the rows they will need
+ * a little later, spread evenly through the arithmetic (a few lines per inner
+ * iteration) rather than in bursts that would fill the core's miss buffers.
+ *
+ * Return value: 0 on success, -(i+1) if context_lens[i] is negative or exceeds
+ * max_blocks * block_size, -(B+i+1) if a block id used by sequence i is outside
+ * [0, num_blocks), -(2B+1) if scratch memory could not be allocated. Validation runs
+ * before any output is written.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PA_AVX2 1
+#else
+#define PA_AVX2 0
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Rows (tokens) the score pass prefetches ahead of the ones it computes; 0 disables
+ * software prefetch in both passes. */
+#ifndef PA_PREFETCH_ROWS
+#define PA_PREFETCH_ROWS 16
+#endif
+
+/* Tokens per chunk of the value pass: a chunk's rows (all heads of the item) stay in L1
+ * while every (head, query, d) tile sweeps them; the next chunk is prefetched meanwhile. */
+#ifndef PA_VALUE_CHUNK
+#define PA_VALUE_CHUNK 32
+#endif
+
+/* Work items per thread below which a sequence's kv heads become separate items. */
+#ifndef PA_MIN_ITEMS_PER_THREAD
+#define PA_MIN_ITEMS_PER_THREAD 4
+#endif
+
+/* Cache element types to build: -DPA_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16) for
+ * one, all three by default. Each costs about a second of compile time. */
+#ifndef PA_DTYPE
+#define PA_DTYPE -1
+#endif
+#define PA_WITH(dt) (PA_DTYPE < 0 || PA_DTYPE == (dt))
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+/* ---------------------------------------------------------------- element loads */
+
+INLINE float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal half: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+INLINE float load1(const void *base, int64_t i, int dt) {
+    if (dt == DT_F32) return ((const float *)base)[i];
+    uint16_t h = ((const uint16_t *)base)[i];
+    if (dt == DT_F16) return half_to_float(h);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#if PA_AVX2
+INLINE __m256 load8(const void *base, int64_t i, int dt) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)base + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    if (dt == DT_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Sum of each of eight vectors, as one vector: r[j] = sum(a[j]). */
+INLINE __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                    __m256 a6, __m256 a7) {
+    __m256 t01 = _mm256_hadd_ps(a0, a1), t23 = _mm256_hadd_ps(a2, a3);
+    __m256 t45 = _mm256_hadd_ps(a4, a5), t67 = _mm256_hadd_ps(a6, a7);
+    __m256 u0 = _mm256_hadd_ps(t01, t23), u1 = _mm256_hadd_ps(t45, t67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Sum of each of four vectors: r[j] = sum(a[j]). */
+INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+INLINE float hsum1(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x) for x <= 0 (softmax arguments), Cephes-style: 2^n * P(r), |rel err| < 2e-7. */
+INLINE __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(lo, x); /* operand order keeps a NaN x */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+/* ---------------------------------------------------------------- work item, prefetch */
+
+/* One work item: NH kv heads of one sequence, G query heads each, n tokens. rows[t]
+ * points at token t's row of the item's first kv head; head hh is hh*head_bytes on. */
+typedef struct {
+    int n, NH, G, D, head_bytes, row_bytes;
+} Item;
+
+/* A cursor over the cache lines of rows[t0:t1] (all NH heads), for spreading prefetches
+ * through the arithmetic: step() issues the next k of them. */
+typedef struct {
+    const void *const *rows;
+    int t, end, hh, byte;
+} Prefetch;
+
+INLINE Prefetch prefetch_range(const void *const *rows, int t0, int t1) {
+    Prefetch p = {rows, t0, t1, 0, 0};
+    return p;
+}
+
+INLINE void prefetch_step(const Item *it, Prefetch *p, int k) {
+#if PA_PREFETCH_ROWS > 0
+    for (; k > 0 && p->t < p->end; k--) {
+        __builtin_prefetch((const char *)p->rows[p->t] + (int64_t)p->hh * it->head_bytes +
+                           p->byte);
+        p->byte += 64;
+        if (p->byte >= it->row_bytes) {
+            p->byte = 0;
+            if (++p->hh == it->NH) p->hh = 0, p->t++;
+        }
+    }
+#else
+    (void)it, (void)p, (void)k;
+#endif
+}
+
+/* Cache lines per row of all the item's heads. */
+INLINE int lines_per_row(const Item *it) { return it->NH * ((it->row_bytes + 63) / 64); }
+
+/* ---------------------------------------------------------------- pass 1: scores */
+
+#if PA_AVX2
+/* s[g*n + j] = scale * q[g] . K[j] for g < GT, j < T: a register tile, each K vector
+ * loaded once for all GT query heads. GT in {1, 2} and T in {4, 8} are compile-time
+ * constants at each call site. pf_k lines of pf are prefetched per 8-float step. */
+INLINE void score_tile(const Item *it, const float *q, const void *const *rows, int64_t off,
+                       __m256 vscale, float *s, Prefetch *pf, int pf_k, int GT, int T, int dt) {
+    const int D = it->D;
+    const char *r[8];
+    for (int j = 0; j < T; j++) r[j] = (const char *)rows[j] + off;
+    __m256 acc[2][8];
+    for (int g = 0; g < GT; g++)
+        for (int j = 0; j < T; j++) acc[g][j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        prefetch_step(it, pf, pf_k);
+        __m256 qv[2];
+        for (int g = 0; g < GT; g++) qv[g] = _mm256_loadu_ps(q + (int64_t)g * D + d);
+        for (int j = 0; j < T; j++) {
+            __m256 kv = load8(r[j], d, dt);
+            for (int g = 0; g < GT; g++) acc[g][j] = _mm256_fmadd_ps(qv[g], kv, acc[g][j]);
+        }
+    }
+    for (int g = 0; g < GT; g++) {
+        float *sg = s + (int64_t)g * it->n;
+        if (T == 8) {
+            __m256 v = hsum8(acc[g][0], acc[g][1], acc[g][2], acc[g][3], acc[g][4], acc[g][5],
+                             acc[g][6], acc[g][7]);
+            _mm256_storeu_ps(sg, _mm256_mul_ps(v, vscale));
+        } else {
+            __m128 v = hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+            _mm_storeu_ps(sg, _mm_mul_ps(v, _mm256_castps256_ps128(vscale)));
+        }
+    }
+}
+
+/* Tokens [t, t+8) of every query head: pairs of query heads in 4-token tiles, a last odd
+ * one in an 8-token tile. Prefetches the lines of 8 rows, PA_PREFETCH_ROWS ahead. */
+INLINE void score_group8(const Item *it, const float *q, const void *const *rows, int t,
+                         __m256 vscale, float *s, Prefetch *pf, int dt) {
+    const int G = it->G, steps = it->NH * ((G / 2) * 2 + (G & 1)) * (it->D / 8);
+    const int pf_k = (8 * lines_per_row(it) + steps - 1) / steps;
+    for (int hh = 0; hh < it->NH; hh++) {
+        const int64_t off = (int64_t)hh * it->head_bytes;
+        int g = 0;
+        for (; g + 2 <= G; g += 2) {
+            const int64_t qh = hh * G + g;
+            const float *qq = q + qh * it->D;
+            float *ss = s + qh * it->n + t;
+            for (int half = 0; half < 8; half += 4)
+                score_tile(it, qq, rows + t + half, off, vscale, ss + half, pf, pf_k, 2, 4, dt);
+        }
+        if (g < G) {
+            const int64_t qh = hh * G + g;
+            score_tile(it, q + qh * it->D, rows + t, off, vscale, s + qh * it->n + t, pf, pf_k,
+                       1, 8, dt);
+        }
+    }
+}
+#endif
+
+/* s[qh*n + t] = scale * q[qh] . K[t][qh / G], for qh < NH*G, t < n. */
+INLINE void scores_pass(const Item *it, const float *q, const void *const *rows, float scale,
+                        float *s, int dt) {
+    const int n = it->n, G = it->G, D = it->D;
+    int t = 0;
+#if PA_AVX2
+    if ((D & 7) == 0) {
+        const int ahead = PA_PREFETCH_ROWS < n ? PA_PREFETCH_ROWS : n;
+        Prefetch first = prefetch_range(rows, 0, ahead), pf = prefetch_range(rows, ahead, n);
+        prefetch_step(it, &first, ahead * lines_per_row(it));
+        const __m256 vscale = _mm256_set1_ps(scale);
+        for (; t + 8 <= n; t += 8) score_group8(it, q, rows, t, vscale, s, &pf, dt);
+        for (; t < n; t++) {
+            for (int qh = 0; qh < it->NH * G; qh++) {
+                const char *r = (const char *)rows[t] + (int64_t)(qh / G) * it->head_bytes;
+                const float *qg = q + (int64_t)qh * D;
+                __m256 a = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(r, d, dt), a);
+                s[(int64_t)qh * n + t] = hsum1(a) * scale;
+            }
+        }
+        return;
+    }
+#endif
+    for (; t < n; t++) {
+        for (int qh = 0; qh < it->NH * G; qh++) {
+            const char *r = (const char *)rows[t] + (int64_t)(qh / G) * it->head_bytes;
+            const float *qg = q + (int64_t)qh * D;
+            float a = 0.0f;
+            for (int d = 0; d < D; d++) a += qg[d] * load1(r, d, dt);
+            s[(int64_t)qh * n + t] = a * scale;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- softmax */
+
+/* p = exp(s - max(s)) in place; returns sum(p). */
+static float softmax_unnormalised(float *s, int n) {
+    int t = 0;
+    float m = -INFINITY, sum = 0.0f;
+#if PA_AVX2
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(s + t), vmax);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+#endif
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    t = 0;
+#if PA_AVX2
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+        _mm256_storeu_ps(s + t, p);
+        vsum = _mm256_add_ps(vsum, p);
+    }
+    sum = hsum1(vsum);
+#endif
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+    }
+    return sum;
+}
+
+/* ---------------------------------------------------------------- pass 2: values */
+
+#if PA_AVX2
+/* out[g][d0 : d0+8*DV] += sum_j p[g*n + j] * rows[j][d0 : ...] over j < cn, for g < GT.
+ * GT in 1..3 and DV in {1, 4} are compile-time constants at each call site. */
+INLINE void value_tile(const Item *it, const float *p, const void *const *rows, int cn,
+                       int64_t off, int d0, float *out, Prefetch *pf, int pf_k, int GT, int DV,
+                       int dt) {
+    __m256 acc[3][4];
+    for (int g = 0; g < GT; g++)
+        for (int j = 0; j < DV; j++)
+            acc[g][j] = _mm256_loadu_ps(out + (int64_t)g * it->D + d0 + 8 * j);
+    for (int t = 0; t < cn; t++) {
+        prefetch_step(it, pf, pf_k);
+        const char *r = (const char *)rows[t] + off;
+        __m256 pg[3];
+        for (int g = 0; g < GT; g++) pg[g] = _mm256_broadcast_ss(p + (int64_t)g * it->n + t);
+        for (int j = 0; j < DV; j++) {
+            __m256 v = load8(r, d0 + 8 * j, dt);
+            for (int g = 0; g < GT; g++) acc[g][j] = _mm256_fmadd_ps(pg[g], v, acc[g][j]);
+        }
+    }
+    for (int g = 0; g < GT; g++)
+        for (int j = 0; j < DV; j++)
+            _mm256_storeu_ps(out + (int64_t)g * it->D + d0 + 8 * j, acc[g][j]);
+}
+
+/* All d tiles of GT query heads (starting at qh, all of kv head qh / G) over one chunk. */
+INLINE void value_tiles_d(const Item *it, const float *p, const void *const *rows, int cn,
+                          int qh, float *out, Prefetch *pf, int pf_k, int GT, int dt) {
+    const int64_t off = (int64_t)(qh / it->G) * it->head_bytes;
+    const float *pq = p + (int64_t)qh * it->n;
+    float *oq = out + (int64_t)qh * it->D;
+    int d0 = 0;
+    for (; d0 + 32 <= it->D; d0 += 32)
+        value_tile(it, pq, rows, cn, off, d0, oq, pf, pf_k, GT, 4, dt);
+    for (; d0 < it->D; d0 += 8) value_tile(it, pq, rows, cn, off, d0, oq, pf, pf_k, GT, 1, dt);
+}
+
+/* Sweeps (tiles) per chunk of the value pass. */
+INLINE int value_sweeps(const Item *it) {
+    return it->NH * ((it->G + 2) / 3) * (it->D / 32 + (it->D % 32) / 8);
+}
+
+/* out[qh] += sum over the chunk's cn tokens, every query head; pf_k lines of pf per
+ * token step. */
+INLINE void value_chunk(const Item *it, const float *p, const void *const *rows, int cn,
+                        float *out, Prefetch *pf, int pf_k, int dt) {
+    const int G = it->G;
+    for (int hh = 0; hh < it->NH; hh++) {
+        int g = 0, qh = hh * G;
+        for (; g + 3 <= G; g += 3) value_tiles_d(it, p, rows, cn, qh + g, out, pf, pf_k, 3, dt);
+        if (G - g == 2)
+            value_tiles_d(it, p, rows, cn, qh + g, out, pf, pf_k, 2, dt);
+        else if (G - g == 1)
+            value_tiles_d(it, p, rows, cn, qh + g, out, pf, pf_k, 1, dt);
+    }
+}
+#endif
+
+/* Before the value pass: start fetching its first chunk. */
+INLINE void values_prefetch_first(const Item *it, const void *const *rows) {
+#if PA_AVX2
+    const int first = it->n < PA_VALUE_CHUNK ? it->n : PA_VALUE_CHUNK;
+    Prefetch pf = prefetch_range(rows, 0, first);
+    prefetch_step(it, &pf, first * lines_per_row(it));
+#else
+    (void)it, (void)rows;
+#endif
+}
+
+/* out[qh] = inv[qh] * sum_t p[qh*n + t] * V[t][qh / G], for qh < NH*G. */
+INLINE void values_pass(const Item *it, const float *p, const void *const *rows,
+                        const float *inv, float *out, int dt) {
+    const int n = it->n, D = it->D, NQ = it->NH * it->G;
+    memset(out, 0, sizeof(float) * (size_t)NQ * D);
+#if PA_AVX2
+    if ((D & 7) == 0) {
+        const int per_token = value_sweeps(it), lines = lines_per_row(it);
+        for (int c0 = 0; c0 < n; c0 += PA_VALUE_CHUNK) {
+            const int cn = n - c0 < PA_VALUE_CHUNK ? n - c0 : PA_VALUE_CHUNK;
+            const int next = n - c0 - cn < PA_VALUE_CHUNK ? n - c0 - cn : PA_VALUE_CHUNK;
+            Prefetch pf = prefetch_range(rows, c0 + cn, c0 + cn + next);
+            const int pf_k = (next * lines + per_token * cn - 1) / (per_token * cn);
+            value_chunk(it, p + c0, rows + c0, cn, out, &pf, pf_k, dt);
+        }
+        for (int qh = 0; qh < NQ; qh++)
+            for (int d = 0; d < D; d++) out[(int64_t)qh * D + d] *= inv[qh];
+        return;
+    }
+#endif
+    for (int qh = 0; qh < NQ; qh++) {
+        float *o = out + (int64_t)qh * D;
+        const float *pq = p + (int64_t)qh * n;
+        const int64_t off = (int64_t)(qh / it->G) * it->head_bytes;
+        for (int t = 0; t < n; t++)
+            for (int d = 0; d < D; d++) o[d] += pq[t] * load1((const char *)rows[t] + off, d, dt);
+        for (int d = 0; d < D; d++) o[d] *= inv[qh];
+    }
+}
+
+/* ---------------------------------------------------------------- driver */
+
+typedef struct {
+    const float *q;
+    const char *k, *v;
+    const int32_t *block_tables;
+    const int32_t *context_lens;
+    float *out;
+    int64_t k_block_stride, v_block_stride, token_stride, head_stride, bt_stride; /* elements */
+    int H, KVH, D, block_size, esize;
+    int heads_per_item; /* KVH (a work item is a sequence) or 1 (a sequence's kv head) */
+    float scale;
+} Args;
+
+/* Per-thread scratch: scores [NQ][max_n], K and V row pointers [max_n]. */
+typedef struct {
+    float *s;
+    const void **k_rows, **v_rows;
+} Scratch;
+
+/* Pointers to kv head h of the first n tokens of a sequence into rows[0:n]. */
+static void row_pointers(const char *base, int64_t block_stride, const Args *a,
+                         const int32_t *bt, int h, int n, const void **rows) {
+    for (int t = 0, blk = 0; t < n; blk++) {
+        const char *b = base + (bt[blk] * block_stride + h * a->head_stride) * a->esize;
+        for (int o = 0; o < a->block_size && t < n; o++, t++)
+            rows[t] = b + o * a->token_stride * a->esize;
+    }
+}
+
+INLINE void run_item(const Args *a, int64_t item, const Scratch *w, int dt) {
+    const int per_seq = a->KVH / a->heads_per_item;
+    const int64_t b = item / per_seq;
+    const int h0 = (int)(item % per_seq) * a->heads_per_item;
+    const Item it = {a->context_lens[b], a->heads_per_item, a->H / a->KVH, a->D,
+                     (int)(a->head_stride * a->esize), a->D * a->esize};
+    const int NQ = it.NH * it.G;
+    const int64_t q0 = (b * a->H + (int64_t)h0 * it.G) * a->D;
+    const int32_t *bt = a->block_tables + b * a->bt_stride;
+    if (it.n <= 0) {
+        memset(a->out + q0, 0, sizeof(float) * (size_t)NQ * a->D);
+        return;
+    }
+    float inv[NQ];
+    row_pointers(a->k, a->k_block_stride, a, bt, h0, it.n, w->k_rows);
+    row_pointers(a->v, a->v_block_stride, a, bt, h0, it.n, w->v_rows);
+    scores_pass(&it, a->q + q0, w->k_rows, a->scale, w->s, dt);
+    values_prefetch_first(&it, w->v_rows);
+    for (int qh = 0; qh < NQ; qh++)
+        inv[qh] = 1.0f / softmax_unnormalised(w->s + (int64_t)qh * it.n, it.n);
+    values_pass(&it, w->s, w->v_rows, inv, a->out + q0, dt);
+}
+
+/* 0 if the inputs are in range, else the error code described at the top. */
+static int validate(const Args *a, int B, int64_t num_blocks, int max_context, int *max_n) {
+    *max_n = 0;
+    for (int i = 0; i < B; i++) {
+        int n = a->context_lens[i];
+        if (n < 0 || n > max_context) return -(i + 1);
+        if (n > *max_n) *max_n = n;
+        const int32_t *bt = a->block_tables + (int64_t)i * a->bt_stride;
+        for (int j = 0, nb = (n + a->block_size - 1) / a->block_size; j < nb; j++)
+            if (bt[j] < 0 || bt[j] >= num_blocks) return -(B + i + 1);
+    }
+    return 0;
+}
+
+static int run(Args *a, int B, int64_t num_blocks, int max_blocks, int num_threads, int dt) {
+    int max_n;
+    int rc = validate(a, B, num_blocks, max_blocks * a->block_size, &max_n);
+    if (rc != 0) return rc;
+    if (num_threads < 1) num_threads = 1;
+    /* Whole sequences read each block's rows front to back (all heads); splitting by kv
+     * head only pays when there are too few sequences to keep the threads busy. */
+    a->heads_per_item = B >= PA_MIN_ITEMS_PER_THREAD * num_threads ? a->KVH : 1;
+    const int64_t items = (int64_t)B * (a->KVH / a->heads_per_item);
+    const size_t nq = (size_t)a->heads_per_item * (a->H / a->KVH), n = (size_t)max_n + 8;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1) \
+    reduction(| : failed)
+    {
+        Scratch w = {malloc(sizeof(float) * nq * n), malloc(sizeof(void *) * n),
+                     malloc(sizeof(void *) * n)};
+        const int ok = w.s != NULL && w.k_rows != NULL && w.v_rows != NULL;
+        failed |= !ok;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!ok) continue;
+#if PA_WITH(0)
+            if (dt == DT_F32) run_item(a, it, &w, DT_F32);
+#endif
+#if PA_WITH(1)
+            if (dt == DT_F16) run_item(a, it, &w, DT_F16);
+#endif
+#if PA_WITH(2)
+            if (dt == DT_BF16) run_item(a, it, &w, DT_BF16);
+#endif
+        }
+        free(w.s);
+        free(w.k_rows);
+        free(w.v_rows);
+    }
+    return failed ? -(2 * B + 1) : 0;
+}
+
+#define PA_ENTRY(NAME, DT, ESIZE)                                                          \
+    int NAME(const float *q, const void *k_cache, const void *v_cache,                   \
+             int64_t k_block_stride, int64_t v_block_stride, int64_t token_stride,         \
+             int64_t head_stride, int64_t num_blocks, const int32_t *block_tables,         \
+             int64_t bt_stride, int max_blocks, const int32_t *context_lens, int B, int H, \
+             int KVH, int D, int block_size, float scale, float *out, int num_threads) {   \
+        if (B <= 0) return 0;                                                              \
+        Args a = {q, (const char *)k_cache, (const char *)v_cache, block_tables,           \
+                  context_lens, out, k_block_stride, v_block_stride, token_stride,         \
+                  head_stride, bt_stride, H, KVH, D, block_size, ESIZE, 1, scale};         \
+        return run(&a, B, num_blocks, max_blocks, num_threads, DT);                        \
+    }
+
+#if PA_WITH(0)
+PA_ENTRY(paged_decode_attention_f32, DT_F32, 4)
+#endif
+#if PA_WITH(1)
+PA_ENTRY(paged_decode_attention_f16, DT_F16, 2)
+#endif
+#if PA_WITH(2)
+PA_ENTRY(paged_decode_attention_bf16, DT_BF16, 2)
+#endif
+
+/* 1 if this build uses the AVX2+FMA path, 0 for the scalar fallback. */
+int paged_attention_simd_level(void) { return PA_AVX2; }

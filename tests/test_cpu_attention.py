@@ -1,0 +1,256 @@
+"""The fused CPU paged decode attention kernel against the torch reference."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_attention, reference
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_kernel() -> None:
+    if not cpu_attention.available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_attention.unavailable_reason()}")
+
+
+def make_case(
+    lens: list[int],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k/v layer views of a 3-layer cache (strided block dim), shuffled block tables."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_seq) + 3
+    kv = torch.randn(num_blocks, 3, 2, block_size, kv_heads, dim, generator=g).to(dtype)
+    k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
+    perm = torch.randperm(num_blocks, generator=g)
+    width = max(per_seq) + 2
+    # Entries past a sequence's blocks are ignored, so fill them with invalid ids.
+    tables = torch.full((len(lens), width), num_blocks + 7, dtype=torch.int32)
+    start = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = perm[start : start + nb].to(torch.int32)
+        start += nb
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+LENS = [1, 16, 37, 48, 5, 100, 33]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3), (4, 4), (7, 1), (8, 1)])
+@pytest.mark.parametrize("dim", [64, 32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_reference(heads: int, kv_heads: int, dim: int, threads: int) -> None:
+    q, k, v, tables, lens = make_case(LENS, heads, kv_heads, dim)
+    scale = dim**-0.5
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, num_threads=threads)
+    want = reference.paged_decode_attention(q, k, v, tables, lens, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 12])
+def test_work_item_granularity(batch: int) -> None:
+    # Few sequences: one work item per (sequence, kv head); many: one per sequence.
+    lens = [(37 * i) % 90 + 1 for i in range(batch)]
+    q, k, v, tables, ctx = make_case(lens, 6, 3, 64, seed=batch)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.2, num_threads=2)
+    want = reference.paged_decode_attention(q, k, v, tables, ctx, 0.2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def scalar_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The C file built without AVX2/FMA: its portable path."""
+    cc = shutil.which("gcc")
+    assert cc is not None  # available() is True
+    lib = tmp_path_factory.mktemp("scalar") / "scalar.so"
+    flags = [f for f in cpu_attention.CFLAGS if f != "-march=native"]
+    cmd = [cc, *flags, "-mno-avx2", "-mno-fma", str(cpu_attention.SOURCE), "-o", str(lib), "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scalar_fallback_build(scalar_lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    assert scalar_lib.paged_attention_simd_level() == 0
+    fn = cpu_attention.bind(scalar_lib, dtype)
+    q, k, v, tables, lens = make_case(LENS, 9, 3, 64, dtype=dtype)
+    if dtype == torch.float16:  # exercise the subnormal half conversion too
+        k[0], v[0] = k[0] * 1e-5, v[0] * 1e-5
+    out = torch.empty_like(q)
+    rc = fn(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), 3 * 64, 64,
+        k.shape[0], tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
+        len(LENS), 9, 3, 64, 16, 0.125, out.data_ptr(), 2,
+    )  # fmt: skip
+    assert rc == 0
+    want = reference.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_dense_last_row() -> None:
+    heads, kv_heads, dim = 9, 3, 64
+    q, k, v, tables, lens = make_case(LENS, heads, kv_heads, dim, seed=1)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    for i, n in enumerate(lens.tolist()):
+        kd = reference.gather_kv(k, tables[i, : -(-n // 16)], n)
+        vd = reference.gather_kv(v, tables[i, : -(-n // 16)], n)
+        qd = torch.randn(n, heads, dim)
+        qd[-1] = q[i]
+        want = reference.dense_causal_attention(qd, kd, vd, 0.125)[-1]
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim,block_size", [(20, 5), (24, 3), (128, 1)])
+def test_odd_dims_and_block_sizes(dim: int, block_size: int) -> None:
+    q, k, v, tables, lens = make_case([1, 9, 17, 30], 6, 2, dim, block_size=block_size)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.3, num_threads=2)
+    want = reference.paged_decode_attention(q, k, v, tables, lens, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_caches(dtype: torch.dtype) -> None:
+    q, k, v, tables, lens = make_case(LENS, 9, 3, 64, dtype=dtype)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.125, num_threads=2)
+    want = reference.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_peaked_softmax_is_stable() -> None:
+    q, k, v, tables, lens = make_case(LENS, 4, 2, 64, seed=2)
+    q = q * 40  # logits in the hundreds: exp without the max shift would overflow
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, 1.0)
+    want = reference.paged_decode_attention(q, k, v, tables, lens, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_out_param_int64_tables_and_empty_context() -> None:
+    q, k, v, tables, lens = make_case([0, 20, 1], 4, 2, 32)
+    wide = torch.cat([tables.long(), tables.long()], dim=1)[:, : tables.shape[1]]
+    out = torch.full_like(q, float("nan"))
+    got = cpu_attention.paged_decode_attention(q, k, v, wide, lens.long(), 0.5, out=out)
+    assert got is out
+    want = reference.paged_decode_attention(q, k, v, tables, lens, 0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[0] == 0).all()
+
+
+def test_empty_batch() -> None:
+    q, k, v, tables, lens = make_case([3], 4, 2, 32)
+    got = cpu_attention.paged_decode_attention(q[:0], k, v, tables[:0], lens[:0], 0.5)
+    assert got.shape == (0, 4, 32)
+
+
+def test_rejects_head_dim_mismatch() -> None:
+    q, k, v, tables, lens = make_case([3, 4], 4, 2, 32)
+    with pytest.raises(ValueError, match="head_dim"):
+        cpu_attention.paged_decode_attention(q[..., :16].contiguous(), k, v, tables, lens, 1.0)
+
+
+def test_rejects_non_multiple_heads() -> None:
+    q, k, v, tables, lens = make_case([3, 4], 4, 3, 32)
+    with pytest.raises(ValueError, match="multiple"):
+        cpu_attention.paged_decode_attention(q, k, v, tables, lens, 1.0)
+
+
+def test_rejects_context_longer_than_block_table() -> None:
+    q, k, v, tables, lens = make_case([3, 40], 4, 2, 32)
+    lens[1] = tables.shape[1] * 16 + 1
+    with pytest.raises(ValueError, match=r"context_lens\[1\]"):
+        cpu_attention.paged_decode_attention(q, k, v, tables, lens, 1.0)
+
+
+def test_rejects_block_id_out_of_range() -> None:
+    q, k, v, tables, lens = make_case([3, 40], 4, 2, 32)
+    tables[1, 2] = k.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[1\]"):
+        cpu_attention.paged_decode_attention(q, k, v, tables, lens, 1.0)
+
+
+def test_rejects_bad_layouts_and_dtypes() -> None:
+    q, k, v, tables, lens = make_case([3, 4], 4, 2, 32)
+    with pytest.raises(ValueError, match="contiguous"):
+        bad_k = k.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, [KVH, BS] order
+        cpu_attention.paged_decode_attention(q, bad_k, v, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_attention.paged_decode_attention(
+            q.transpose(0, 1).contiguous().transpose(0, 1), k, v, tables, lens, 1.0
+        )
+    with pytest.raises(ValueError, match="float32"):
+        cpu_attention.paged_decode_attention(q.double(), k, v, tables, lens, 1.0)
+
+
+def test_one_openmp_runtime_shared_with_torch() -> None:
+    runtimes = cpu_attention.openmp_runtimes()
+    if not runtimes:
+        pytest.skip("/proc/self/maps unreadable")
+    assert len(runtimes) == 1, runtimes
+    assert Path(runtimes[0]).parent == Path(torch.__file__).parent / "lib", runtimes
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader as in a new process: nothing built or loaded yet."""
+    monkeypatch.setattr(cpu_attention, "_functions", {})
+    monkeypatch.setattr(cpu_attention, "_reasons", {})
+
+
+@pytest.mark.usefixtures("fresh_loader")
+def test_unavailable_without_gcc(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_attention.shutil, "which", lambda _name: None)
+    assert not cpu_attention.available()
+    assert "gcc not found" in (cpu_attention.unavailable_reason() or "")
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_attention.paged_decode_attention(*make_case([3], 4, 2, 32), 1.0)
+
+
+@pytest.mark.usefixtures("fresh_loader")
+def test_unavailable_when_compile_fails(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", bad)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    assert not cpu_attention.available()
+    assert "failed" in (cpu_attention.unavailable_reason() or "")
+    assert not cpu_attention.available(torch.float64)
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []  # no temp file left
+
+
+def test_builds_into_cache_dir_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    tiny = tmp_path / "tiny.c"
+    tiny.write_text("int paged_attention_tiny(void) { return 7; }\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", tiny)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    path = cpu_attention.library_path(torch.float32)
+    assert path.parent == tmp_path / "kernels" and path.suffix == ".so"
+    mtime = path.stat().st_mtime_ns
+    assert cpu_attention.library_path(torch.float32) == path
+    assert path.stat().st_mtime_ns == mtime
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    tiny.write_text("int paged_attention_tiny(void) { return 8; }\n")  # a new source version
+    assert cpu_attention.library_path(torch.float32) != path
+
+
+def test_build_key_depends_on_source_compiler_and_flags() -> None:
+    a = cpu_attention.build_key("int x;", "gcc 12")
+    assert a == cpu_attention.build_key("int x;", "gcc 12")
+    assert a != cpu_attention.build_key("int y;", "gcc 12")
+    assert a != cpu_attention.build_key("int x;", "gcc 13")
+    f32, f16 = (cpu_attention.build_flags(t) for t in (torch.float32, torch.float16))
+    assert cpu_attention.build_key("int x;", "gcc 12", f32) != cpu_attention.build_key(
+        "int x;", "gcc 12", f16
+    )
