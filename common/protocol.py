@@ -85,6 +85,24 @@ class Abort(Message):
     reason: str = "client"
 
 
+@message("ping")
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    nonce: int
+
+
+@message("status")
+@dataclass(frozen=True, slots=True)
+class Status(Message):
+    """The router's answer to a ping: what it can serve right now."""
+
+    nonce: int
+    prefill_workers: int  # prefill-capable (prefill + colocated)
+    decode_workers: int  # decode-capable (decode + colocated)
+    queue_length: int
+    max_model_len: int  # the smallest limit among live workers (0 = none)
+
+
 # ---- router -> workers ----------------------------------------------------------------
 
 @message("task")

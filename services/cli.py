@@ -1,7 +1,9 @@
 """``tandem``: the one command that starts everything.
 
+    tandem up                                            a local cluster on :8000
     tandem generate --prompts in.jsonl --out out.jsonl   offline generation
-    tandem bench offline                                 throughput vs HF transformers
+    tandem bench offline|serve|kv-transfer               benchmarks
+    tandem router|prefill|decode|worker|gateway          one service (what compose runs)
 
 Startup errors a user can fix (missing model, unsupported architecture, bad flag values,
 a cache too small for the context) end the command with a one-line reason and status 2.
@@ -39,11 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(gen)
     gen.set_defaults(func=_generate)
 
+    from services import commands, launcher
+
+    launcher.add_arguments(sub.add_parser("up", help="start a whole local cluster"))
+    commands.add_service_parsers(sub)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from loadtest import offline
+    from loadtest import offline, serve
 
     offline.add_arguments(bench_sub.add_parser("offline", help="offline throughput vs HF transformers"))
+    serve.add_arguments(bench_sub.add_parser("serve", help="online serving against any OpenAI URL"))
+    try:  # TEMP until the module lands
+        from loadtest import kv_transfer
+        kv_transfer.add_arguments(bench_sub.add_parser("kv-transfer", help="KV connector vs raw ZeroMQ"))
+    except ImportError:
+        pass
     return parser
 
 

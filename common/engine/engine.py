@@ -43,6 +43,7 @@ class SeqUpdate:
     logprobs: list[TokenLogprob]
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    num_cached_tokens: int = 0  # of the prompt, served from the prefix cache
 
 
 @dataclass(slots=True)
@@ -240,7 +241,7 @@ class Engine:
             self.scheduler.detach(seq)
         lps = [logprob] if logprob is not None else []
         return SeqUpdate(seq.request.request_id, seq.choice, seq.num_output_tokens - 1, [token], text,
-                         lps, reason, stop)
+                         lps, reason, stop, seq.num_cached_tokens)
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, int | None]:
         p = seq.params

@@ -31,6 +31,12 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
+class SchedulerStats:
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_hits: int = 0  # of those, found cached
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -52,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.stats = SchedulerStats()
 
     @property
     def has_work(self) -> bool:
@@ -142,6 +149,8 @@ class Scheduler:
         self.kv.allocate(seq, num_new, prefix)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = prefix.num_tokens
+            self.stats.prefix_queries += seq.num_tokens
+            self.stats.prefix_hits += prefix.num_tokens
         self.waiting.popleft()
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)

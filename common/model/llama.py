@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from common.model.spec import ModelSpec
 from kernels.attention import AttentionBackend, AttentionMetadata
 
-
 # Below this many rows, MKL computes ``weight @ x.T`` faster than ``x @ weight.T`` on this
 # class of CPU (measured: 2.5x at 2-4 rows, 1.2x at 64, even at 256), so small batches
 # get the transposed product; its result is a transposed view, which every op here accepts.

@@ -1,0 +1,296 @@
+"""The gateway: the OpenAI-compatible HTTP front door (FastAPI).
+
+One request's path: parse and validate (``openai_api``) → submit to the router and wait
+for admission (429/503 with ``Retry-After`` when refused) → gather tokens from whichever
+workers produce them (``RequestStream`` orders, detokenizes and applies stop strings) →
+answer as JSON or as server-sent events. A client that goes away, a stop string, or a
+timeout aborts the request on every service, so its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from common.metrics import RequestMetrics
+from common.model.loader import resolve_model
+from common.model.spec import ModelSpec
+from common.model.tokenizer import Tokenizer
+from common.protocol import Rejected, Tokens
+from services.gateway import openai_api as api
+from services.gateway.router_link import RouterLink, RouterUnavailable
+from services.gateway.streams import ChoiceDelta, RequestStream
+
+log = logging.getLogger("tandem.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    router: str
+    stream_bind: str = "tcp://127.0.0.1:0"
+    advertise_host: str = "127.0.0.1"
+    api_key: str | None = None
+    model: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    request_timeout: float = 600.0  # silence from the workers that fails a request
+    admission_timeout: float = 120.0  # must exceed the router's queue timeout
+
+
+class Gateway:
+    """What the routes share: settings, tokenizer, the router link, metrics."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        source = resolve_model(settings.model)
+        self.spec = ModelSpec.from_hf_config(source.hf_config())
+        self.tokenizer = Tokenizer(source.directory)
+        self.model_name = settings.served_model_name or source.name
+        self.registry = CollectorRegistry()
+        self.metrics = RequestMetrics(self.registry)
+        self.http_requests = Counter("tandem:http_requests", "HTTP responses", ["status"],
+                                     registry=self.registry)
+        self.link: RouterLink | None = None
+        self.created = int(time.time())
+
+    @property
+    def max_model_len(self) -> int:
+        limits = [self.settings.max_model_len or self.spec.max_position_embeddings]
+        status = self.link.last_status if self.link else None
+        if status is not None and status.max_model_len:
+            limits.append(status.max_model_len)
+        return min(limits)
+
+    def parse(self, kind: str, body) -> api.ParsedRequest:
+        parse = api.parse_chat if kind == "chat" else api.parse_completion
+        return parse(body, self.tokenizer, self.model_name, self.max_model_len,
+                     vocab_size=self.spec.vocab_size)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    gw = Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gw.link = RouterLink(settings.router, settings.stream_bind, settings.advertise_host)
+        gw.link.start()
+        await gw.link.status(timeout=1.0)
+        log.info("gateway for %s, router %s, tokens at %s", gw.model_name, settings.router,
+                 gw.link.reply_to)
+        yield
+        await gw.link.close()
+
+    app = FastAPI(title="Tandem", lifespan=lifespan)
+    app.state.gateway = gw
+
+    @app.exception_handler(api.APIError)
+    async def _api_error(request: Request, e: api.APIError) -> JSONResponse:
+        return error_response(gw, e)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(gw, api.APIError.server_error())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = await gw.link.status(timeout=1.0)
+        ready = status is not None and status.prefill_workers > 0 and status.decode_workers > 0
+        detail = {"status": "ok" if ready else "unavailable", "router": status is not None,
+                  "prefill_workers": status.prefill_workers if status else 0,
+                  "decode_workers": status.decode_workers if status else 0}
+        return JSONResponse(detail, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        check_api_key(gw, request)
+        return JSONResponse(api.models_list([gw.model_name], gw.max_model_len, gw.created))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle(gw, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(gw, request, "completion")
+
+    return app
+
+
+def error_response(gw: Gateway, e: api.APIError) -> JSONResponse:
+    gw.http_requests.labels(str(e.status)).inc()
+    headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def check_api_key(gw: Gateway, request: Request) -> None:
+    key = gw.settings.api_key
+    if key and request.headers.get("authorization", "") != f"Bearer {key}":
+        raise api.APIError.invalid_api_key()
+
+
+async def read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise api.APIError.invalid(f"the request body is not valid JSON: {e}") from None
+
+
+async def handle(gw: Gateway, request: Request, kind: str) -> Response:
+    check_api_key(gw, request)
+    parsed = gw.parse(kind, await read_json(request))
+    channel = await admit(gw, parsed)
+    stream = RequestStream(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
+    run = RequestRun(gw, parsed, stream, channel)
+    if parsed.stream:
+        gw.http_requests.labels("200").inc()
+        return StreamingResponse(run.sse(request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    body = await run.collect(request)
+    gw.http_requests.labels("200").inc()
+    return JSONResponse(body)
+
+
+async def admit(gw: Gateway, parsed: api.ParsedRequest) -> asyncio.Queue[Tokens]:
+    try:
+        verdict, channel = await gw.link.submit(parsed.request_id, parsed.prompt_token_ids,
+                                                parsed.params, gw.settings.admission_timeout)
+    except RouterUnavailable as e:
+        raise api.APIError.unavailable(f"the service is not available: {e}") from None
+    if isinstance(verdict, Rejected):
+        raise api.APIError(verdict.status, verdict.reason, retry_after=verdict.retry_after,
+                           code="rate_limit_exceeded" if verdict.status == 429 else None)
+    return channel
+
+
+class RequestRun:
+    """One admitted request until its last token, its failure, or its abort."""
+
+    def __init__(self, gw: Gateway, parsed: api.ParsedRequest, stream: RequestStream,
+                 channel: asyncio.Queue[Tokens]) -> None:
+        self.gw, self.parsed, self.stream, self.channel = gw, parsed, stream, channel
+        self.start = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.ended_here = False  # a choice was cut by a stop string: workers must be told
+
+    async def deltas(self, request: Request) -> AsyncIterator[ChoiceDelta]:
+        timeout = self.gw.settings.request_timeout
+        while not self.stream.finished:
+            msg = await self._next(request, timeout)
+            if msg.error:
+                raise api.APIError.unavailable(msg.error)
+            for delta in self.stream.feed(msg):
+                self._observe(delta, msg)
+                yield delta
+
+    async def _next(self, request: Request, timeout: float) -> Tokens:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await asyncio.wait_for(self.channel.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    raise ClientGone() from None
+                if time.monotonic() > deadline:
+                    raise api.APIError.unavailable(f"no output for {timeout:g} s") from None
+
+    def _observe(self, delta: ChoiceDelta, msg: Tokens) -> None:
+        now = time.monotonic()
+        m = self.gw.metrics
+        if delta.tokens and self.first_token is None:
+            self.first_token = now
+            m.ttft.observe(now - self.start)
+        elif delta.tokens and delta.index == 0 and self.last_token is not None:
+            m.itl.observe(now - self.last_token)
+        if delta.tokens and delta.index == 0:
+            self.last_token = now
+        if delta.finish_reason is not None and msg.finish_reason is None:
+            self.ended_here = True
+
+    async def collect(self, request: Request) -> dict:
+        texts = {i: [] for i in range(self.parsed.params.n)}
+        logprobs = {i: [] for i in range(self.parsed.params.n)}
+        reasons: dict[int, str | None] = {}
+        try:
+            async for d in self.deltas(request):
+                texts[d.index].append(d.text)
+                logprobs[d.index].extend(self._entries(d))
+                reasons[d.index] = d.finish_reason
+        except ClientGone:
+            await self._abort()
+            return {}
+        except BaseException:
+            await self._abort()
+            raise
+        await self._finish()
+        choices = [api.ChoiceResult(i, "".join(texts[i]), reasons.get(i),
+                                    logprobs[i] if self.parsed.logprobs_mode else None)
+                   for i in range(self.parsed.params.n)]
+        build = api.chat_completion if self.parsed.kind == "chat" else api.text_completion
+        return build(self.parsed, choices, self._usage())
+
+    async def sse(self, request: Request) -> AsyncIterator[bytes]:
+        fmt = api.StreamFormatter(self.parsed)
+        try:
+            async for d in self.deltas(request):
+                lps = self._entries(d) if self.parsed.logprobs_mode else None
+                yield api.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason))
+            usage = fmt.usage_chunk(self._usage())
+            if usage is not None:
+                yield api.sse(usage)
+            yield api.SSE_DONE
+            await self._finish()
+        except api.APIError as e:
+            await self._abort()
+            yield api.sse(e.body())
+            yield api.SSE_DONE
+        except (ClientGone, asyncio.CancelledError, GeneratorExit):
+            await self._abort()
+            raise
+        except BaseException:
+            await self._abort()
+            raise
+
+    def _entries(self, d: ChoiceDelta) -> list[api.LogprobEntry]:
+        return [api.LogprobEntry(t.token_id, t.text, t.logprob if t.logprob is not None else 0.0,
+                                 tuple(t.top)) for t in d.tokens]
+
+    def _usage(self) -> dict:
+        return api.usage(self.stream.num_prompt_tokens, self.stream.num_completion_tokens,
+                         self.stream.num_cached_tokens)
+
+    async def _finish(self) -> None:
+        m = self.gw.metrics
+        m.e2e.observe(time.monotonic() - self.start)
+        m.prompt_tokens.inc(self.stream.num_prompt_tokens)
+        m.generation_tokens.inc(self.stream.num_completion_tokens)
+        m.success.labels("stop" if self.ended_here else "finished").inc()
+        if self.ended_here:
+            await self.gw.link.abort(self.parsed.request_id, "stop string")
+        else:
+            self.gw.link.release(self.parsed.request_id)
+
+    async def _abort(self) -> None:
+        self.gw.metrics.success.labels("abort").inc()
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.gw.link.abort(self.parsed.request_id))
+
+
+class ClientGone(Exception):
+    pass

@@ -1,0 +1,143 @@
+"""The gateway's sockets: a DEALER to the router, and a PULL socket workers push tokens to.
+
+``RouterLink`` turns them into awaitables: ``submit`` resolves when the router admits or
+refuses the request, and every admitted request gets a channel (an ``asyncio.Queue`` of
+``Tokens``) that fills as workers produce them — whichever worker that is. Channels are
+created before the submission leaves, so no token can arrive to nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+
+import zmq
+import zmq.asyncio
+
+from common.addresses import reachable
+from common.protocol import (
+    Abort,
+    Admitted,
+    Message,
+    Ping,
+    ProtocolError,
+    Rejected,
+    Status,
+    Submit,
+    Tokens,
+    decode,
+    encode,
+    params_to_wire,
+)
+from common.sampling_params import SamplingParams
+
+log = logging.getLogger("tandem.gateway")
+
+
+class RouterUnavailable(Exception):
+    pass
+
+
+class RouterLink:
+    def __init__(self, router_addr: str, stream_bind: str, advertise_host: str = "127.0.0.1") -> None:
+        self._ctx = zmq.asyncio.Context()
+        self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
+        self._router = self._ctx.socket(zmq.DEALER)
+        self._router.setsockopt_string(zmq.IDENTITY, self.gateway_id)
+        self._router.connect(router_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(stream_bind)
+        self.reply_to = reachable(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
+        self._channels: dict[str, asyncio.Queue[Tokens]] = {}
+        self._admissions: dict[str, asyncio.Future[Message]] = {}
+        self._pings: dict[int, asyncio.Future[Status]] = {}
+        self._nonces = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self.last_status: Status | None = None
+        self.last_status_time = 0.0
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read(self._router)),
+                       asyncio.create_task(self._read(self._pull))]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._router.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     timeout: float) -> tuple[Message, asyncio.Queue[Tokens] | None]:
+        """Admitted (with the request's channel) or Rejected (channel None)."""
+        channel: asyncio.Queue[Tokens] = asyncio.Queue()
+        self._channels[request_id] = channel
+        decided = asyncio.get_running_loop().create_future()
+        self._admissions[request_id] = decided
+        await self._router.send(encode(Submit(request_id, prompt, params_to_wire(params),
+                                              self.reply_to, time.time())))
+        try:
+            verdict = await asyncio.wait_for(decided, timeout)
+        except TimeoutError:
+            self.release(request_id)
+            await self.abort(request_id)
+            raise RouterUnavailable("the router did not answer in time") from None
+        finally:
+            self._admissions.pop(request_id, None)
+        if isinstance(verdict, Rejected):
+            self.release(request_id)
+            return verdict, None
+        return verdict, channel
+
+    async def abort(self, request_id: str, reason: str = "client") -> None:
+        self.release(request_id)
+        await self._router.send(encode(Abort(request_id, reason)))
+
+    def release(self, request_id: str) -> None:
+        """Stop listening for a request (tokens that still arrive are dropped)."""
+        self._channels.pop(request_id, None)
+
+    async def status(self, timeout: float = 2.0) -> Status | None:
+        nonce = next(self._nonces)
+        fut = asyncio.get_running_loop().create_future()
+        self._pings[nonce] = fut
+        await self._router.send(encode(Ping(nonce)))
+        try:
+            status = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            return None
+        finally:
+            self._pings.pop(nonce, None)
+        self.last_status, self.last_status_time = status, time.monotonic()
+        return status
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            data = await sock.recv()
+            try:
+                msg = decode(data)
+            except ProtocolError as e:
+                log.warning("dropping a bad message: %s", e)
+                continue
+            self._route(msg)
+
+    def _route(self, msg: Message) -> None:
+        if isinstance(msg, Tokens):
+            channel = self._channels.get(msg.request_id)
+            if channel is not None:
+                channel.put_nowait(msg)
+        elif isinstance(msg, Admitted | Rejected):
+            fut = self._admissions.get(msg.request_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, Status):
+            fut = self._pings.get(msg.nonce)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)

@@ -1,0 +1,102 @@
+"""Turning workers' token messages into what a client sees, one choice at a time.
+
+Tokens of one choice can come from two workers (the first from the prefill worker, the
+rest from the decode worker) over different connections, so they are put back in order
+by their index first. Then each choice is detokenized incrementally, stop strings are
+applied (the text is cut, and the choice ends even if workers keep going), and the
+result comes out as ``ChoiceDelta``s ready to format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.model.tokenizer import TextStream, Tokenizer
+from common.protocol import Tokens
+from common.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    token_id: int
+    text: str
+    logprob: float | None
+    top: list[tuple[int, str, float]]
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    tokens: list[TokenInfo]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class _Choice:
+    text_stream: TextStream
+    next_index: int = 0
+    held: dict[int, tuple[int, list | None, str | None]] = field(default_factory=dict)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class RequestStream:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._tok = tokenizer
+        self.params = params
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0
+        self._choices = [_Choice(TextStream(tokenizer, prompt_ids, params.stop, params.skip_special_tokens))
+                         for _ in range(params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self._choices)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self._choices)
+
+    def feed(self, msg: Tokens) -> list[ChoiceDelta]:
+        """Accept one message; returns the deltas it completes (possibly none)."""
+        if not 0 <= msg.choice < len(self._choices):
+            return []
+        self.num_cached_tokens = max(self.num_cached_tokens, msg.num_cached_tokens)
+        choice = self._choices[msg.choice]
+        if choice.finish_reason is not None:
+            return []  # ended by a stop string; the workers have not heard yet
+        for i, token in enumerate(msg.token_ids):
+            last = i == len(msg.token_ids) - 1
+            lp = msg.logprobs[i] if msg.logprobs else None
+            choice.held[msg.index + i] = (token, lp, msg.finish_reason if last else None)
+        if not msg.token_ids and msg.finish_reason:  # a bare finish
+            choice.held[msg.index] = (-1, None, msg.finish_reason)
+        delta = self._advance(msg.choice, choice)
+        return [delta] if delta is not None else []
+
+    def _advance(self, index: int, choice: _Choice) -> ChoiceDelta | None:
+        text, tokens = [], []
+        while choice.finish_reason is None and choice.next_index in choice.held:
+            token, lp, reason = choice.held.pop(choice.next_index)
+            choice.next_index += 1
+            if token >= 0:
+                choice.num_tokens += 1
+                tokens.append(self._token_info(token, lp))
+                delta = choice.text_stream.push(token)
+                text.append(delta.text)
+                if delta.stop is not None:
+                    reason = "stop"
+            if reason is not None:
+                text.append(choice.text_stream.finish().text)
+                choice.finish_reason = reason
+        if not tokens and choice.finish_reason is None:
+            return None
+        return ChoiceDelta(index, "".join(text), tokens, choice.finish_reason)
+
+    def _token_info(self, token: int, lp: list | None) -> TokenInfo:
+        if lp is None:
+            return TokenInfo(token, self._tok.token_text(token), None, [])
+        logprob, top = lp
+        return TokenInfo(token, self._tok.token_text(token), float(logprob),
+                         [(int(t), self._tok.token_text(int(t)), float(v)) for t, v in top])

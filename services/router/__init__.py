@@ -1,0 +1,1 @@
+"""The router: worker registry, prefix index, placement policies and admission."""

@@ -1,0 +1,72 @@
+"""Admission: a bounded FCFS queue in front of placement, with clear refusals.
+
+A request the workers cannot take right now (every prefill worker over its token
+budget, or no decode worker with room) waits here, in arrival order. The queue never
+grows past ``max_queue``, and nothing waits longer than ``timeout``: the gateway turns
+the refusal into HTTP 429 (queue full) or 503 (nothing to serve it, or waited too long)
+with a ``Retry-After`` instead of letting latency grow without bound.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    status: int
+    reason: str
+    retry_after: float
+
+
+@dataclass(slots=True)
+class _Waiting(Generic[T]):
+    item: T
+    since: float
+
+
+class AdmissionQueue(Generic[T]):
+    def __init__(self, max_queue: int, timeout: float) -> None:
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self.max_queue = max_queue
+        self.timeout = timeout
+        self._queue: deque[_Waiting[T]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def offer(self, item: T, now: float) -> Refusal | None:
+        """Queue ``item``; a Refusal when the queue is full."""
+        if len(self._queue) >= self.max_queue:
+            return Refusal(429, f"server busy: {len(self._queue)} requests already queued",
+                           retry_after=1.0)
+        self._queue.append(_Waiting(item, now))
+        return None
+
+    def waiting(self) -> Iterator[T]:
+        """Queued items, oldest first."""
+        return (w.item for w in self._queue)
+
+    def remove(self, item: T) -> bool:
+        for w in self._queue:
+            if w.item is item:
+                self._queue.remove(w)
+                return True
+        return False
+
+    def expired(self, now: float) -> list[T]:
+        """Take out everything that has waited longer than the timeout."""
+        old = [w for w in self._queue if now - w.since > self.timeout]
+        for w in old:
+            self._queue.remove(w)
+        return [w.item for w in old]
+
+    def refusal_for_timeout(self) -> Refusal:
+        return Refusal(503, f"no worker could take the request within {self.timeout:g} s",
+                       retry_after=2.0)

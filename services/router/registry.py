@@ -1,0 +1,89 @@
+"""The router's view of its workers: who registered, how loaded they are, who is dead.
+
+Load has two sources. Heartbeats report what a worker itself sees (running, waiting,
+free blocks). The router's own ledger adds what it has sent since: prompt tokens placed
+on a prefill worker and not yet reported done, and blocks promised to a decode worker
+for handoffs still in flight — so two placements in the same instant do not both see
+the same idle worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.protocol import Heartbeat, Register
+
+PREFILL_ROLES = ("prefill", "colocated")
+DECODE_ROLES = ("decode", "colocated")
+
+
+@dataclass(slots=True, eq=False)
+class WorkerInfo:
+    worker_id: str
+    role: str
+    kv_addr: str | None
+    metrics_url: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    last_seen: float
+    num_running: int = 0
+    num_waiting: int = 0
+    free_blocks: int = 0
+    outstanding_tokens: int = 0  # prompt tokens placed here, prefill not yet done
+    reserved_blocks: int = 0  # decode blocks promised to handoffs not yet arrived
+    requests: set[str] = field(default_factory=set)
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in PREFILL_ROLES
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in DECODE_ROLES
+
+    @property
+    def available_blocks(self) -> int:
+        return self.free_blocks - self.reserved_blocks
+
+
+class Registry:
+    def __init__(self, heartbeat_timeout: float) -> None:
+        self.timeout = heartbeat_timeout
+        self.workers: dict[str, WorkerInfo] = {}
+
+    def register(self, msg: Register, now: float) -> WorkerInfo:
+        """Add (or re-add, after a restart) a worker; returns its fresh record."""
+        info = WorkerInfo(msg.worker_id, msg.role, msg.kv_addr, msg.metrics_url, msg.num_blocks,
+                          msg.block_size, msg.max_model_len, last_seen=now, free_blocks=msg.num_blocks)
+        self.workers[msg.worker_id] = info
+        return info
+
+    def heartbeat(self, msg: Heartbeat, now: float) -> WorkerInfo | None:
+        info = self.workers.get(msg.worker_id)
+        if info is None:
+            return None  # unknown: it must register first
+        info.last_seen = now
+        info.num_running, info.num_waiting = msg.num_running, msg.num_waiting
+        info.free_blocks = msg.free_blocks
+        return info
+
+    def expire(self, now: float) -> list[WorkerInfo]:
+        """Drop workers silent for longer than the timeout; returns them."""
+        dead = [w for w in self.workers.values() if now - w.last_seen > self.timeout]
+        for w in dead:
+            del self.workers[w.worker_id]
+        return dead
+
+    def remove(self, worker_id: str) -> WorkerInfo | None:
+        return self.workers.pop(worker_id, None)
+
+    def prefill_workers(self) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.can_prefill]
+
+    def decode_workers(self) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.can_decode]
+
+    def max_model_len(self) -> int:
+        """The smallest context limit among live workers (0 when there are none)."""
+        return min((w.max_model_len for w in self.workers.values()), default=0)

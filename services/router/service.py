@@ -1,0 +1,337 @@
+"""The router process: one ROUTER socket that gateways and workers connect to.
+
+It owns the placement of every request (which prefill worker, which decode worker) and
+the admission queue; it never touches tokens or KV. A request's life here:
+submit → queued or placed (``Task`` to the prefill worker, ``Admitted`` to the gateway)
+→ ``Finished(prefill)`` → ``Finished(request)``. A dead worker's requests are failed
+back to their gateways at once, and the surviving side is told to abort them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from common.hashing import BlockHash, hash_prefix_blocks
+from common.metrics import MetricsServer
+from common.protocol import (
+    Abort,
+    Admitted,
+    Finished,
+    Heartbeat,
+    KVEvents,
+    Message,
+    Ping,
+    ProtocolError,
+    Register,
+    Rejected,
+    Status,
+    Submit,
+    Task,
+    Tokens,
+    decode,
+    encode,
+)
+from services.router.admission import AdmissionQueue, Refusal
+from services.router.policies import PlacementRequest, decode_policy, place, prefill_policy
+from services.router.prefix_index import PrefixIndex
+from services.router.registry import Registry, WorkerInfo
+
+log = logging.getLogger("tandem.router")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    bind: str = "tcp://127.0.0.1:7100"
+    policy: str = "prefix"
+    token_budget: int = 8192  # outstanding prompt tokens per prefill worker
+    load_weight: float = 1.0
+    max_queue: int = 256
+    queue_timeout: float = 60.0
+    heartbeat_timeout: float = 5.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Routed:
+    submit: Submit
+    gateway: bytes
+    arrival: float
+    hashes: dict[int, list[BlockHash]] = field(default_factory=dict)  # by block size
+    prefill: str | None = None
+    decode: str | None = None
+    charged_tokens: int = 0
+    reserved_blocks: int = 0
+    prefill_done: bool = False
+
+    def block_hashes(self, block_size: int) -> list[BlockHash]:
+        if block_size not in self.hashes:
+            self.hashes[block_size] = hash_prefix_blocks(self.submit.prompt_token_ids, block_size)
+        return self.hashes[block_size]
+
+
+class RouterService:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.registry = Registry(settings.heartbeat_timeout)
+        self.index = PrefixIndex()
+        self.queue: AdmissionQueue[Routed] = AdmissionQueue(settings.max_queue, settings.queue_timeout)
+        self.requests: dict[str, Routed] = {}
+        self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
+                                             settings.load_weight)
+        self._decode_steps = decode_policy()
+        self._ctx = zmq.asyncio.Context()
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reclaims its identity
+        self.sock.bind(settings.bind)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._metrics_registry = CollectorRegistry()
+        self._init_metrics()
+        self.metrics = MetricsServer(self._metrics_registry, settings.metrics_host,
+                                     settings.metrics_port, self._health)
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.metrics.start()
+        log.info("router on %s (policy %s), metrics on :%d", self.address, self.settings.policy,
+                 self.metrics.port)
+        maintenance = asyncio.create_task(self._maintain(stop))
+        try:
+            while not stop.is_set():
+                if not await self.sock.poll(200):
+                    continue
+                identity, data = await self._recv()
+                if data is not None:
+                    await self._dispatch(identity, data)
+        finally:
+            maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await maintenance
+            self.metrics.close()
+            self.sock.close(linger=0)
+            self._ctx.term()
+
+    async def _recv(self) -> tuple[bytes, Message | None]:
+        frames = await self.sock.recv_multipart()
+        if len(frames) != 2:
+            log.warning("dropping a message of %d frames", len(frames))
+            return frames[0], None
+        try:
+            return frames[0], decode(frames[1])
+        except ProtocolError as e:
+            log.warning("dropping a bad message: %s", e)
+            return frames[0], None
+
+    async def _send(self, identity: bytes, msg: Message) -> None:
+        await self.sock.send_multipart([identity, encode(msg)])
+
+    async def _maintain(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for worker in self.registry.expire(now):
+                log.warning("worker %s missed its heartbeats: failing its requests", worker.worker_id)
+                await self._worker_gone(worker)
+            for routed in self.queue.expired(now):
+                await self._refuse(routed, self.queue.refusal_for_timeout())
+            await self._drain_queue()
+            self._update_gauges()
+
+    # ---- messages -----------------------------------------------------------------
+
+    async def _dispatch(self, identity: bytes, msg: Message) -> None:
+        handler = {
+            Submit: self._on_submit, Abort: self._on_abort, Ping: self._on_ping,
+            Register: self._on_register, Heartbeat: self._on_heartbeat,
+            KVEvents: self._on_kv_events, Finished: self._on_finished,
+        }.get(type(msg))
+        if handler is None:
+            log.warning("unexpected %s from %r", msg.TAG, identity)
+            return
+        await handler(identity, msg)
+
+    async def _on_submit(self, identity: bytes, msg: Submit) -> None:
+        if msg.request_id in self.requests:
+            await self._send(identity, Rejected(msg.request_id, 400, "duplicate request id"))
+            return
+        routed = Routed(msg, identity, time.monotonic())
+        limit = self.registry.max_model_len()
+        if not self.registry.prefill_workers():
+            await self._refuse(routed, Refusal(503, "no prefill worker is available", 2.0))
+        elif limit and len(msg.prompt_token_ids) >= limit:
+            await self._refuse(routed, Refusal(400, f"the prompt has {len(msg.prompt_token_ids)} "
+                                                    f"tokens; the workers' limit is {limit}", 0.0))
+        elif self.queue or not await self._try_place(routed):
+            refusal = self.queue.offer(routed, routed.arrival)
+            if refusal is not None:
+                await self._refuse(routed, refusal)
+            else:
+                self.requests[msg.request_id] = routed
+
+    async def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        routed = self.requests.pop(msg.request_id, None)
+        if routed is None:
+            return
+        if self.queue.remove(routed):
+            return
+        for worker_id in {routed.prefill, routed.decode} - {None}:
+            await self._send(worker_id.encode(), msg)
+        self._release(routed)
+
+    async def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        reg = self.registry
+        await self._send(identity, Status(msg.nonce, len(reg.prefill_workers()), len(reg.decode_workers()),
+                                          len(self.queue), reg.max_model_len()))
+
+    async def _on_register(self, identity: bytes, msg: Register) -> None:
+        old = self.registry.remove(msg.worker_id)
+        if old is not None:  # a restart: whatever it held is gone
+            await self._worker_gone(old)
+        self.registry.register(msg, time.monotonic())
+        self.index.drop_worker(msg.worker_id)
+        log.info("registered %s worker %s (%d blocks)", msg.role, msg.worker_id, msg.num_blocks)
+        await self._drain_queue()
+
+    async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        if self.registry.heartbeat(msg, time.monotonic()) is not None:
+            await self._drain_queue()
+
+    async def _on_kv_events(self, identity: bytes, msg: KVEvents) -> None:
+        if msg.worker_id in self.registry.workers:
+            self.index.apply(msg)
+
+    async def _on_finished(self, identity: bytes, msg: Finished) -> None:
+        routed = self.requests.get(msg.request_id)
+        if routed is None:
+            return
+        if msg.error:
+            log.warning("request %s failed on %s: %s", msg.request_id, msg.worker_id, msg.error)
+        if msg.stage == "prefill" and not msg.error:
+            self._release_prefill(routed)
+        else:
+            other = {routed.prefill, routed.decode} - {None, msg.worker_id}
+            for worker_id in other:
+                if msg.error:
+                    await self._send(worker_id.encode(), Abort(msg.request_id, "peer failed"))
+            self.requests.pop(msg.request_id, None)
+            self._release(routed)
+        await self._drain_queue()
+
+    # ---- placement ----------------------------------------------------------------
+
+    async def _try_place(self, routed: Routed) -> bool:
+        prefill_workers = self.registry.prefill_workers()
+        if not prefill_workers:
+            return False
+        block_size = prefill_workers[0].block_size
+        req = PlacementRequest(routed.submit.request_id, len(routed.submit.prompt_token_ids),
+                               routed.block_hashes(block_size), block_size)
+        chosen = await place(req, prefill_workers, self._prefill_steps)
+        if chosen is None:
+            return False
+        decode = None
+        if chosen.worker.role == "prefill":
+            decode = await place(req, self.registry.decode_workers(), self._decode_steps)
+            if decode is None:
+                return False
+        self._charge(routed, chosen.worker, chosen.cached_tokens, decode.worker if decode else None, req)
+        submit = routed.submit
+        await self._send(chosen.worker.worker_id.encode(), Task(
+            submit.request_id, submit.prompt_token_ids, submit.params, submit.reply_to,
+            decode.worker.worker_id if decode else None, decode.worker.kv_addr if decode else None))
+        await self._send(routed.gateway, Admitted(submit.request_id))
+        self.requests[submit.request_id] = routed
+        self._placements.labels(chosen.worker.worker_id).inc()
+        self._queue_time.observe(time.monotonic() - routed.arrival)
+        return True
+
+    def _charge(self, routed: Routed, prefill: WorkerInfo, cached: int, decode: WorkerInfo | None,
+                req: PlacementRequest) -> None:
+        routed.prefill = prefill.worker_id
+        routed.charged_tokens = max(req.num_prompt_tokens - cached, 1)
+        prefill.outstanding_tokens += routed.charged_tokens
+        prefill.requests.add(req.request_id)
+        if decode is not None:
+            routed.decode = decode.worker_id
+            routed.reserved_blocks = -(-req.num_prompt_tokens // req.block_size) + 1
+            decode.reserved_blocks += routed.reserved_blocks
+            decode.requests.add(req.request_id)
+
+    def _release_prefill(self, routed: Routed) -> None:
+        if routed.prefill_done:
+            return
+        routed.prefill_done = True
+        prefill = self.registry.workers.get(routed.prefill or "")
+        if prefill is not None:
+            prefill.outstanding_tokens -= routed.charged_tokens
+            if routed.decode is not None:  # a decode request lives on only at the decode worker
+                prefill.requests.discard(routed.submit.request_id)
+        decode = self.registry.workers.get(routed.decode or "")
+        if decode is not None:
+            decode.reserved_blocks -= routed.reserved_blocks
+        routed.reserved_blocks = 0
+
+    def _release(self, routed: Routed) -> None:
+        self._release_prefill(routed)
+        for worker_id in (routed.prefill, routed.decode):
+            worker = self.registry.workers.get(worker_id or "")
+            if worker is not None:
+                worker.requests.discard(routed.submit.request_id)
+
+    async def _drain_queue(self) -> None:
+        for routed in list(self.queue.waiting()):
+            if not await self._try_place(routed):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.queue.remove(routed)
+
+    async def _refuse(self, routed: Routed, refusal: Refusal) -> None:
+        self.requests.pop(routed.submit.request_id, None)
+        self._rejections.labels(str(refusal.status)).inc()
+        await self._send(routed.gateway, Rejected(routed.submit.request_id, refusal.status,
+                                                  refusal.reason, refusal.retry_after))
+
+    async def _worker_gone(self, worker: WorkerInfo) -> None:
+        self.index.drop_worker(worker.worker_id)
+        for request_id in list(worker.requests):
+            routed = self.requests.pop(request_id, None)
+            if routed is None:
+                continue
+            await self._send(routed.gateway, Tokens(request_id, 0, 0, [], error=(
+                f"worker {worker.worker_id} failed while serving the request")))
+            for other in {routed.prefill, routed.decode} - {None, worker.worker_id}:
+                await self._send(other.encode(), Abort(request_id, "peer failed"))
+            self._release(routed)
+
+    # ---- metrics ------------------------------------------------------------------
+
+    def _init_metrics(self) -> None:
+        from prometheus_client import Histogram
+
+        from common.metrics import LATENCY_BUCKETS
+
+        r = self._metrics_registry
+        self._queue_len = Gauge("tandem:router_queue_length", "Requests waiting for a worker", registry=r)
+        self._workers = Gauge("tandem:router_workers", "Live workers", ["role"], registry=r)
+        self._rejections = Counter("tandem:router_rejections", "Requests refused", ["status"], registry=r)
+        self._placements = Counter("tandem:router_placements", "Requests placed", ["worker"], registry=r)
+        self._queue_time = Histogram("tandem:request_queue_time_seconds", "Time before placement",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+
+    def _update_gauges(self) -> None:
+        self._queue_len.set(len(self.queue))
+        for role in ("prefill", "decode", "colocated"):
+            self._workers.labels(role).set(sum(w.role == role for w in self.registry.workers.values()))
+
+    def _health(self) -> tuple[bool, dict]:
+        reg = self.registry
+        return True, {"status": "ok", "prefill_workers": len(reg.prefill_workers()),
+                      "decode_workers": len(reg.decode_workers()), "queue_length": len(self.queue)}

