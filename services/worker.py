@@ -300,10 +300,12 @@ class WorkerService:
         self._send_router(KVEvents(self.s.worker_id, cleared=True))
 
     def _report(self) -> None:
+        """KV events and metrics after every tick (cheap); heartbeats on a period."""
         events = self.engine.take_kv_events()
         if events:
             self._send_router(KVEvents(self.s.worker_id, [ev.block_hash for ev in events if ev.stored],
                                        [ev.block_hash for ev in events if not ev.stored]))
+        self._update_gauges()
         now = time.monotonic()
         if now - self._last_heartbeat < HEARTBEAT_SECONDS:
             return
@@ -311,7 +313,6 @@ class WorkerService:
         e = self.engine
         self._send_router(Heartbeat(self.s.worker_id, e.num_running, e.num_waiting,
                                     e.pool.num_free_blocks, e.pool.num_blocks))
-        self._update_gauges()
 
     def _update_gauges(self) -> None:
         e, m = self.engine, self.metrics

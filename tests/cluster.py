@@ -25,7 +25,7 @@ class Cluster:
     colocated: int = 0
     policy: str = "prefix"
     kv_transport: str = "zmq"
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ("--num-kv-blocks", "512")
 
     def __enter__(self) -> Cluster:
         self.port = free_port()
