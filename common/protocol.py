@@ -118,6 +118,14 @@ class Task(Message):
     handoff_addr: str | None = None  # its KV receiver address
 
 
+@message("reregister")
+@dataclass(frozen=True, slots=True)
+class Reregister(Message):
+    """The router does not know this worker (it was declared dead): register anew."""
+
+    worker_id: str
+
+
 # ---- workers -> gateway ---------------------------------------------------------------
 
 @message("tokens")
@@ -225,7 +233,7 @@ def decode(data: bytes | memoryview) -> Message:
     cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message tag {tag!r}")
-    if version != cls.VERSION:
+    if type(version) is not int or version != cls.VERSION:
         raise ProtocolError(f"{tag} version {version} is not the supported {cls.VERSION}")
     schema = _schema(cls)
     if not isinstance(values, list) or len(values) != len(schema):
@@ -267,10 +275,12 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 
 def params_from_wire(raw: dict[str, Any]) -> SamplingParams:
-    """Rebuild sampling params sent by a peer (validated again: never trust the wire)."""
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
+    """Rebuild sampling params sent by a peer, checking types and ranges again (the same
+    parser as client input: never trust the wire)."""
     try:
-        return SamplingParams(**values)
+        params = SamplingParams.from_dict(raw)
+        if "max_tokens" in raw and raw["max_tokens"] is None:  # None here means "no limit"
+            params = dataclasses.replace(params, max_tokens=None)
+        return params
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"bad sampling params: {e}") from e

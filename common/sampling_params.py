@@ -112,11 +112,11 @@ def _coerce(name: str, value: Any) -> Any:
         return 0 if value is True else None if value is False else _as_int(name, value)
     if name == "stop":
         items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
             raise SamplingError(name, "must be a string or a list of strings")
         return tuple(items)
     if name == "stop_token_ids":
-        if not isinstance(value, list):
+        if not isinstance(value, list | tuple):
             raise SamplingError(name, "must be a list of token ids")
         return tuple(_as_int(name, t) for t in value)
     raise AssertionError(name)

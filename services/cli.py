@@ -48,15 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from loadtest import offline, serve
+    from loadtest import kv_transfer, offline, serve
 
     offline.add_arguments(bench_sub.add_parser("offline", help="offline throughput vs HF transformers"))
     serve.add_arguments(bench_sub.add_parser("serve", help="online serving against any OpenAI URL"))
-    try:  # TEMP until the module lands
-        from loadtest import kv_transfer
-        kv_transfer.add_arguments(bench_sub.add_parser("kv-transfer", help="KV connector vs raw ZeroMQ"))
-    except ImportError:
-        pass
+    kv_transfer.add_arguments(bench_sub.add_parser("kv-transfer", help="KV connector vs raw ZeroMQ"))
     return parser
 
 

@@ -15,6 +15,7 @@ the KV connector's sender or receiver.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -39,6 +40,7 @@ from common.protocol import (
     Message,
     ProtocolError,
     Register,
+    Reregister,
     Task,
     Tokens,
     decode,
@@ -56,7 +58,8 @@ from services.worker_streams import (
 log = logging.getLogger("tandem.worker")
 
 HEARTBEAT_SECONDS = 0.25
-IDLE_WAIT_MS = 2
+IDLE_WAIT_MS = 100  # an idle loop sleeps in poll(); any message wakes it at once
+IDLE_POLL_MS = 5  # for a receiver that cannot wake the poller (UCX's own thread)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,36 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"unknown worker role {self.role!r}")
+
+
+class Heartbeater:
+    """Heartbeats from their own thread and socket: an engine step can take seconds (a
+    2,048-token prefill chunk on one core), and a busy worker is not a dead one. It goes
+    quiet when the loop itself stops ticking for ``stall_seconds`` — a hung worker."""
+
+    def __init__(self, ctx: zmq.Context, router: str, worker_id: str, stall_seconds: float = 300.0) -> None:
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt_string(zmq.IDENTITY, f"{worker_id}/heartbeat")
+        self._sock.connect(router)
+        self._stall = stall_seconds
+        self.snapshot: Heartbeat | None = None  # replaced whole by the loop, read here
+        self.last_tick = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=2)
+        self._sock.close(linger=0)
+
+    def _run(self) -> None:
+        while not self._done.wait(HEARTBEAT_SECONDS):
+            beat = self.snapshot
+            if beat is not None and time.monotonic() - self.last_tick < self._stall:
+                self._sock.send(encode(beat))
 
 
 class WorkerService:
@@ -97,7 +130,13 @@ class WorkerService:
         self._registry = CollectorRegistry()
         self.metrics = EngineMetrics(self._registry)
         self.http = MetricsServer(self._registry, settings.metrics_host, settings.metrics_port, self._health)
-        self._last_heartbeat = 0.0
+        self.heartbeat = Heartbeater(self._ctx, settings.router, settings.worker_id)
+        self._poller = zmq.Poller()
+        self._poller.register(self.router, zmq.POLLIN)
+        wakeup = getattr(self.receiver, "wakeup_socket", None)
+        if wakeup is not None:
+            self._poller.register(wakeup, zmq.POLLIN)
+        self._wakeable = self.receiver is None or wakeup is not None
         self._stats_seen = (0, 0, 0)
         self._stopping = False
 
@@ -106,6 +145,7 @@ class WorkerService:
     def run(self) -> None:
         self.http.start()
         self._register()
+        self.heartbeat.start()
         log.info("%s worker %s up: router %s, kv %s, metrics :%d", self.s.role, self.s.worker_id,
                  self.s.router, self.kv_address, self.http.port)
         try:
@@ -121,6 +161,7 @@ class WorkerService:
         for closer in (self.sender, self.receiver):
             if closer is not None:
                 closer.close()
+        self.heartbeat.close()
         self.streams.close()
         self.router.close(linger=0)
         self.http.close()
@@ -135,7 +176,9 @@ class WorkerService:
 
     def _tick(self) -> None:
         busy = self.engine.has_unfinished or self._pending or len(self.leases)
-        self._read_control(0 if busy else IDLE_WAIT_MS)
+        if not busy:
+            self._poller.poll(IDLE_WAIT_MS if self._wakeable else IDLE_POLL_MS)
+        self._read_control()
         self._take_transfers()
         if self.engine.has_unfinished:
             self._send_updates(self.engine.step())
@@ -146,9 +189,8 @@ class WorkerService:
 
     # ---- control messages -----------------------------------------------------------
 
-    def _read_control(self, wait_ms: int) -> None:
-        while self.router.poll(wait_ms):
-            wait_ms = 0
+    def _read_control(self) -> None:
+        while self.router.poll(0):
             try:
                 msg = decode(self.router.recv())
             except ProtocolError as e:
@@ -158,13 +200,15 @@ class WorkerService:
                 self._on_task(msg)
             elif isinstance(msg, Abort):
                 self._on_abort(msg.request_id)
+            elif isinstance(msg, Reregister):
+                self._rejoin()
 
     def _on_task(self, task: Task) -> None:
         try:
             params = params_from_wire(task.params)
             self.engine.add_request(task.prompt_token_ids, params, task.request_id,
                                     prefill_only=task.handoff_addr is not None)
-        except (ProtocolError, InvalidRequestError) as e:
+        except (ProtocolError, ValueError, TypeError) as e:  # a bad task fails alone
             self._fail(task.request_id, task.reply_to, str(e))
             return
         self.clock.start(task.request_id, task.reply_to, len(task.prompt_token_ids),
@@ -178,6 +222,14 @@ class WorkerService:
         self._aborted[request_id] = None
         while len(self._aborted) > 10_000:
             self._aborted.popitem(last=False)
+
+    def _rejoin(self) -> None:
+        """The router gave us up for dead and failed our requests: drop them, register anew."""
+        log.warning("the router lost track of this worker: dropping in-flight work, registering again")
+        for request_id in self.engine.request_ids():
+            self._on_abort(request_id)
+        self._pending.clear()
+        self._register()
 
     def _fail(self, request_id: str, reply_to: str, error: str) -> None:
         self.streams.send(reply_to, Tokens(request_id, 0, 0, [], error=error))
@@ -300,19 +352,16 @@ class WorkerService:
         self._send_router(KVEvents(self.s.worker_id, cleared=True))
 
     def _report(self) -> None:
-        """KV events and metrics after every tick (cheap); heartbeats on a period."""
+        """KV events, metrics and the heartbeat's snapshot, after every tick (all cheap)."""
         events = self.engine.take_kv_events()
         if events:
             self._send_router(KVEvents(self.s.worker_id, [ev.block_hash for ev in events if ev.stored],
                                        [ev.block_hash for ev in events if not ev.stored]))
         self._update_gauges()
-        now = time.monotonic()
-        if now - self._last_heartbeat < HEARTBEAT_SECONDS:
-            return
-        self._last_heartbeat = now
         e = self.engine
-        self._send_router(Heartbeat(self.s.worker_id, e.num_running, e.num_waiting,
-                                    e.pool.num_free_blocks, e.pool.num_blocks))
+        self.heartbeat.snapshot = Heartbeat(self.s.worker_id, e.num_running, e.num_waiting,
+                                            e.pool.num_free_blocks, e.pool.num_blocks)
+        self.heartbeat.last_tick = time.monotonic()
 
     def _update_gauges(self) -> None:
         e, m = self.engine, self.metrics

@@ -56,6 +56,9 @@ class KVSender(Protocol):
 
 
 class KVReceiver(Protocol):
+    """May also offer ``wakeup_socket``: a zmq socket that turns readable when a transfer
+    arrives, so an idle worker can sleep in one poller instead of polling on a timer."""
+
     address: str  # what senders connect to
 
     def poll(self, timeout_ms: int = 0) -> list[ReceivedTransfer]:

@@ -66,13 +66,18 @@ class ZmqReceiver:
             self._sock.bind(address)
         self.address = address
 
+    @property
+    def wakeup_socket(self) -> zmq.Socket:
+        """Readable when a transfer has arrived: a worker can sleep on it in a poller."""
+        return self._sock
+
     def poll(self, timeout_ms: int = 0) -> list[ReceivedTransfer]:
         out: list[ReceivedTransfer] = []
         wait = timeout_ms
         while self._sock.poll(wait):
             wait = 0
             identity, head, *frames = self._sock.recv_multipart(copy=False)
-            transfer = self._accept(identity.bytes, head.buffer, [f.buffer for f in frames])
+            transfer = self._accept(identity.bytes, head.buffer, [f.buffer.toreadonly() for f in frames])
             if transfer is not None:
                 out.append(transfer)
         return out

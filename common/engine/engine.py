@@ -169,6 +169,9 @@ class Engine:
         self._requests[request.request_id] = _Tracked(request)
         return True
 
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self._requests)

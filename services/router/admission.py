@@ -54,18 +54,18 @@ class AdmissionQueue(Generic[T]):
         return (w.item for w in self._queue)
 
     def remove(self, item: T) -> bool:
-        for w in self._queue:
+        """Take out this very item (by identity: equal items are distinct requests)."""
+        for i, w in enumerate(self._queue):
             if w.item is item:
-                self._queue.remove(w)
+                del self._queue[i]
                 return True
         return False
 
     def expired(self, now: float) -> list[T]:
         """Take out everything that has waited longer than the timeout."""
-        old = [w for w in self._queue if now - w.since > self.timeout]
-        for w in old:
-            self._queue.remove(w)
-        return [w.item for w in old]
+        old = [w.item for w in self._queue if now - w.since > self.timeout]
+        self._queue = deque(w for w in self._queue if now - w.since <= self.timeout)
+        return old
 
     def refusal_for_timeout(self) -> Refusal:
         return Refusal(503, f"no worker could take the request within {self.timeout:g} s",

@@ -32,6 +32,7 @@ from common.protocol import (
     ProtocolError,
     Register,
     Rejected,
+    Reregister,
     Status,
     Submit,
     Task,
@@ -157,7 +158,10 @@ class RouterService:
         if handler is None:
             log.warning("unexpected %s from %r", msg.TAG, identity)
             return
-        await handler(identity, msg)
+        try:
+            await handler(identity, msg)
+        except Exception:  # one peer's bad message must not take the router down
+            log.exception("failed to handle %s from %r", msg.TAG, identity)
 
     async def _on_submit(self, identity: bytes, msg: Submit) -> None:
         if msg.request_id in self.requests:
@@ -165,7 +169,9 @@ class RouterService:
             return
         routed = Routed(msg, identity, time.monotonic())
         limit = self.registry.max_model_len()
-        if not self.registry.prefill_workers():
+        if not all(0 <= t < 2**32 for t in msg.prompt_token_ids):
+            await self._refuse(routed, Refusal(400, "prompt token ids must be in [0, 2^32)", 0.0))
+        elif not self.registry.prefill_workers():
             await self._refuse(routed, Refusal(503, "no prefill worker is available", 2.0))
         elif limit and len(msg.prompt_token_ids) >= limit:
             await self._refuse(routed, Refusal(400, f"the prompt has {len(msg.prompt_token_ids)} "
@@ -193,6 +199,9 @@ class RouterService:
                                           len(self.queue), reg.max_model_len()))
 
     async def _on_register(self, identity: bytes, msg: Register) -> None:
+        if msg.block_size < 1 or msg.num_blocks < 1 or msg.role not in ("prefill", "decode", "colocated"):
+            log.warning("ignoring a malformed registration from %s", msg.worker_id)
+            return
         old = self.registry.remove(msg.worker_id)
         if old is not None:  # a restart: whatever it held is gone
             await self._worker_gone(old)
@@ -204,6 +213,8 @@ class RouterService:
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         if self.registry.heartbeat(msg, time.monotonic()) is not None:
             await self._drain_queue()
+        else:  # declared dead earlier but alive after all: its requests are gone already
+            await self._send(msg.worker_id.encode(), Reregister(msg.worker_id))
 
     async def _on_kv_events(self, identity: bytes, msg: KVEvents) -> None:
         if msg.worker_id in self.registry.workers:

@@ -1,0 +1,386 @@
+"""``tandem bench kv-transfer``: KV connector throughput against raw transport loopback.
+
+Moves N transfers of 24 blocks x 737,280 bytes (one SmolLM2 prompt: 30 layers x (k, v) x
+16 tokens x 3 kv heads x 64 dims x fp32 per block) from this process to a receiver
+process, once per transport:
+
+* ``zmq-tcp`` / ``zmq-ipc`` / ``ucx``: the real ``KVSender``/``KVReceiver``, the receiver
+  acking every transfer, at most ``--window`` transfers un-acked (as a prefill worker's
+  leases would bound them);
+* the baselines: raw ZeroMQ PUSH/PULL of the same multipart messages (header + 24
+  blocks, ``copy=False``, high-water marks = window) over the same tcp/ipc; for ucx, raw
+  ucxx tag sends of the same messages into receives all posted up front (no probing,
+  no checks, no thread hop), and the raw zmq tcp figure beside it.
+
+Each run starts a fresh receiver process and warms up (connection set up) before the
+clock starts. Connector and baseline runs alternate, and the ratio is the median of
+the per-pair ratios, so a busy moment on a shared machine hits both sides alike.
+MB/s is 10^6 bytes of block payload per second, timed on the sender from the moment
+the receiver has the warm-up until it has every transfer (and the connector's acks
+are back). The receiver checks the bytes of the first and last timed transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+
+import numpy as np
+import zmq
+
+from common.protocol import KVHandoff, encode
+
+NUM_BLOCKS = 24
+BLOCK_NBYTES = 30 * 2 * 16 * 3 * 64 * 4  # 737,280
+SEED = 1234
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transfers", type=int, default=32, help="timed transfers per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed transfers first")
+    p.add_argument("--window", type=int, default=8, help="most transfers in flight")
+    p.add_argument("--repeat", type=int, default=3, help="runs per measurement (median)")
+    p.add_argument("--blocks", type=int, default=NUM_BLOCKS)
+    p.add_argument("--block-bytes", type=int, default=BLOCK_NBYTES)
+    p.add_argument("--transports", nargs="+", default=["zmq-tcp", "zmq-ipc", "ucx"],
+                   choices=["zmq-tcp", "zmq-ipc", "ucx"])
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(func=run)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One measurement, as the receiver process needs it."""
+
+    mode: str  # connector | raw-zmq | raw-ucxx
+    transport: str  # zmq-tcp | zmq-ipc | ucx
+    address: str
+    warmup: int
+    transfers: int
+    window: int
+    blocks: int
+    block_bytes: int
+
+
+@dataclass
+class Row:
+    transport: str
+    connector_mb_s: float  # median
+    raw: str
+    raw_mb_s: float  # median
+    ratio: float  # median of the per-run connector/raw ratios (runs are interleaved)
+    ratio_min: float
+    ratio_max: float
+    vs_raw_zmq_tcp: float | None = None  # ucx only: median ratio against raw zmq tcp
+    connector_runs: list[float] = field(default_factory=list)
+    raw_runs: list[float] = field(default_factory=list)
+
+
+def source_blocks(n: int, nbytes: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    return [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
+
+
+def header(i: int, job: Job) -> KVHandoff:
+    return KVHandoff(f"bench-{i}", f"req-{i}", list(range(384)), [7], [None], [None], {}, "",
+                     0, job.blocks, job.block_bytes, [30, 16, 3, 64, 4])
+
+
+def run(args: argparse.Namespace) -> int:
+    transports = list(args.transports)
+    if "ucx" in transports and not _have_ucxx():
+        print("ucx: ucxx is not installed (pip install 'tandem[ucx]'), skipping", file=sys.stderr)
+        transports.remove("ucx")
+    blocks = source_blocks(args.blocks, args.block_bytes)
+    rows = [_measure(transport, args, blocks) for transport in transports]
+    result = {"transfers": args.transfers, "blocks": args.blocks, "block_bytes": args.block_bytes,
+              "window": args.window, "repeat": args.repeat, "rows": [asdict(r) for r in rows]}
+    _print(rows, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def _measure(transport: str, args: argparse.Namespace, blocks: list[np.ndarray]) -> Row:
+    """Connector and baseline runs interleaved, so a busy moment hits both alike."""
+    payload = args.transfers * args.blocks * args.block_bytes
+    baselines = [("raw-ucxx", "ucx"), ("raw-zmq", "zmq-tcp")] if transport == "ucx" else [("raw-zmq", transport)]
+    runs: dict[str, list[float]] = {"connector": []} | {mode: [] for mode, _ in baselines}
+    for i in range(args.repeat):
+        for mode, where in [("connector", transport), *baselines]:
+            print(f"{transport}: {mode} run {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
+            runs[mode].append(payload / _one_run(mode, where, args, blocks) / 1e6)
+    connector, (raw_mode, _) = runs["connector"], baselines[0]
+    ratios = [c / r for c, r in zip(connector, runs[raw_mode], strict=True)]
+    vs_tcp = None
+    if transport == "ucx":
+        vs_tcp = statistics.median(c / r for c, r in zip(connector, runs["raw-zmq"], strict=True))
+    raw_name = "ucxx tag send/recv" if transport == "ucx" else f"zmq PUSH/PULL {transport[4:]}"
+    return Row(transport, statistics.median(connector), raw_name, statistics.median(runs[raw_mode]),
+               statistics.median(ratios), min(ratios), max(ratios), vs_tcp, connector, runs[raw_mode])
+
+
+def _print(rows: list[Row], args: argparse.Namespace) -> None:
+    mb = args.blocks * args.block_bytes / 1e6
+    print(f"KV transfer throughput: {args.transfers} transfers x {args.blocks} blocks x "
+          f"{args.block_bytes:,} B ({mb:.1f} MB each), window {args.window}, median of {args.repeat}")
+    print(f"{'transport':<10} {'connector MB/s':>15}   {'raw baseline':<20} {'raw MB/s':>9} "
+          f"{'ratio':>6}  {'(range)':<13}")
+    for r in rows:
+        extra = f"  {r.vs_raw_zmq_tcp:.2f}x raw zmq tcp" if r.vs_raw_zmq_tcp is not None else ""
+        spread = f"({r.ratio_min:.2f}-{r.ratio_max:.2f})"
+        print(f"{r.transport:<10} {r.connector_mb_s:>15.0f}   {r.raw:<20} {r.raw_mb_s:>9.0f} "
+              f"{r.ratio:>5.2f}x  {spread:<13}{extra}")
+
+
+def _have_ucxx() -> bool:
+    from common.connector import ucx
+
+    return ucx.ucxx is not None
+
+
+# ---- one run: receiver process + sender here ------------------------------------------
+
+
+def _one_run(mode: str, transport: str, args: argparse.Namespace, blocks: list[np.ndarray]) -> float:
+    """Seconds for the timed transfers of one run."""
+    with tempfile.TemporaryDirectory(prefix="kvbench") as tmp:
+        address = {"zmq-tcp": "tcp://127.0.0.1:0", "zmq-ipc": f"ipc://{tmp}/kv.sock",
+                   "ucx": "ucx://127.0.0.1:0"}[transport]
+        job = Job(mode, transport, address, args.warmup, args.transfers, args.window,
+                  args.blocks, args.block_bytes)
+        ctx = mp.get_context("spawn")  # no fork: the parent may hold threads (zmq, ucx)
+        ours, theirs = ctx.Pipe()
+        child = ctx.Process(target=_receiver_main, args=(job, theirs), daemon=True)
+        child.start()
+        try:
+            address = _expect(ours, "address", child)
+            sender = {"connector": _send_connector, "raw-zmq": _send_raw_zmq,
+                      "raw-ucxx": _send_raw_ucxx}[mode]
+            return sender(job, address, blocks, lambda what: _expect(ours, what, child))
+        finally:
+            ours.close()  # tells a lingering receiver that everything arrived
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()
+
+
+def _expect(pipe: Connection, what: str, child: mp.process.BaseProcess, timeout: float = 120.0):
+    if not pipe.poll(timeout):
+        raise RuntimeError(f"receiver sent no {what} within {timeout} s (alive: {child.is_alive()})")
+    kind, value = pipe.recv()
+    if kind == "error":
+        raise RuntimeError(f"receiver failed: {value}")
+    if kind != what:
+        raise RuntimeError(f"receiver sent {kind}, expected {what}")
+    return value
+
+
+def _send_connector(job: Job, address: str, blocks: list[np.ndarray],
+                    expect: Callable[[str], object]) -> float:
+    from common.connector.base import make_sender
+
+    sender = make_sender("ucx" if job.transport == "ucx" else "zmq")
+    views = [memoryview(b) for b in blocks]
+    acked = 0
+
+    def send_window(first: int, count: int, expected_acks: int) -> None:
+        nonlocal acked
+        sent = first
+        while acked < expected_acks:
+            while sent < first + count and sent - acked < job.window:
+                sender.send(address, header(sent, job), views)
+                sent += 1
+            acks = sender.poll_acks()
+            if any(not a.ok for a in acks):
+                raise RuntimeError(f"nacked: {[a for a in acks if not a.ok]}")
+            acked += len(acks)
+            if not acks:
+                time.sleep(0.0002)  # pacing the ack poll: a worker would step its engine here
+
+    try:
+        send_window(0, job.warmup, job.warmup)
+        expect("warm")
+        start = time.perf_counter()
+        send_window(job.warmup, job.transfers, job.warmup + job.transfers)
+        expect("done")
+        return time.perf_counter() - start
+    finally:
+        sender.close()
+
+
+def _send_raw_zmq(job: Job, address: str, blocks: list[np.ndarray],
+                  expect: Callable[[str], object]) -> float:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, job.window)
+    sock.connect(address)
+    views = [memoryview(b) for b in blocks]
+    try:
+        for i in range(job.warmup):
+            sock.send_multipart([encode(header(i, job)), *views], copy=False)
+        expect("warm")
+        start = time.perf_counter()
+        for i in range(job.warmup, job.warmup + job.transfers):
+            sock.send_multipart([encode(header(i, job)), *views], copy=False)
+        expect("done")
+        return time.perf_counter() - start
+    finally:
+        sock.close(linger=0)
+
+
+def _send_raw_ucxx(job: Job, address: str, blocks: list[np.ndarray],
+                   expect: Callable[[str], object]) -> float:
+    import ucxx
+
+    from common.connector.ucx import _Loop, parse_address
+
+    host, port = parse_address(address)
+    views = [memoryview(b) for b in blocks]
+
+    async def main() -> float:
+        ep = await ucxx.create_endpoint(host, port)
+
+        async def send(i: int) -> None:
+            head = encode(header(i, job))
+            msgs = [np.array([len(head)], dtype="<u8"), np.frombuffer(head, np.uint8), *views]
+            await asyncio.gather(*(ep.send(m) for m in msgs))
+
+        for i in range(job.warmup):
+            await send(i)
+        await asyncio.to_thread(expect, "warm")
+        start = time.perf_counter()
+        for i in range(job.warmup, job.warmup + job.transfers):
+            await send(i)
+        await asyncio.to_thread(expect, "done")
+        elapsed = time.perf_counter() - start
+        await ep.close()
+        return elapsed
+
+    # The connector's loop: ucxx allows one context per process, bound to one loop.
+    return _Loop.get().run(main(), timeout=600)
+
+
+# ---- receiver process ------------------------------------------------------------------
+
+
+def _receiver_main(job: Job, pipe: Connection) -> None:
+    try:
+        {"connector": _receive_connector, "raw-zmq": _receive_raw_zmq,
+         "raw-ucxx": _receive_raw_ucxx}[job.mode](job, pipe)
+    except BaseException as e:  # report, so the parent fails with the reason, not a timeout
+        pipe.send(("error", f"{type(e).__name__}: {e}"))
+        raise
+
+
+class _Checker:
+    """Counts arrivals, signals warm/done, checks the first and last timed transfer."""
+
+    def __init__(self, job: Job, pipe: Connection) -> None:
+        self.job, self.pipe, self.count = job, pipe, 0
+        self.want = source_blocks(job.blocks, job.block_bytes)
+        self.check_at = {job.warmup, job.warmup + job.transfers - 1}
+
+    def arrived(self, frames: list[memoryview]) -> bool:
+        """Record one transfer; True when it was the last."""
+        if self.count in self.check_at:
+            ok = len(frames) == len(self.want) and all(
+                np.array_equal(np.frombuffer(f, np.uint8), w) for f, w in zip(frames, self.want, strict=True))
+            if not ok:
+                raise RuntimeError(f"transfer {self.count} arrived corrupted")
+        self.count += 1
+        if self.count == self.job.warmup:
+            self.pipe.send(("warm", None))
+        if self.count == self.job.warmup + self.job.transfers:
+            self.pipe.send(("done", None))
+            return True
+        return False
+
+
+def _receive_connector(job: Job, pipe: Connection) -> None:
+    from common.connector.base import make_receiver
+
+    receiver = make_receiver("ucx" if job.transport == "ucx" else "zmq", job.address)
+    pipe.send(("address", receiver.address))
+    checker, done = _Checker(job, pipe), False
+    try:
+        while not done:
+            for transfer in receiver.poll(timeout_ms=100):
+                receiver.ack(transfer, ok=True)
+                done = checker.arrived(transfer.blocks) or done
+        _linger_for_acks(pipe)
+    finally:
+        receiver.close()
+
+
+def _linger_for_acks(pipe: Connection) -> None:
+    # The last acks are on their way; closing now could drop them. The parent says
+    # when it has them by closing its end (it joins us after its run).
+    while True:
+        try:
+            if pipe.poll(0.05):
+                pipe.recv()
+        except EOFError:
+            return
+
+
+def _receive_raw_zmq(job: Job, pipe: Connection) -> None:
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, job.window)
+    sock.bind(job.address)
+    pipe.send(("address", sock.getsockopt_string(zmq.LAST_ENDPOINT)))
+    checker = _Checker(job, pipe)
+    try:
+        while True:
+            _head, *frames = sock.recv_multipart(copy=False)
+            if checker.arrived([f.buffer for f in frames]):
+                return
+    finally:
+        sock.close(linger=0)
+
+
+def _receive_raw_ucxx(job: Job, pipe: Connection) -> None:
+    import ucxx
+
+    from common.connector.ucx import _Loop
+
+    async def main() -> None:
+        finished: asyncio.Future = asyncio.get_running_loop().create_future()
+        checker = _Checker(job, pipe)
+
+        async def serve(ep) -> None:
+            try:
+                length = np.empty(1, dtype="<u8")
+                for _ in range(job.warmup + job.transfers):
+                    await ep.recv(length)
+                    await ep.recv(np.empty(int(length[0]), np.uint8))
+                    frames = [np.empty(job.block_bytes, np.uint8) for _ in range(job.blocks)]
+                    # Sizes are known here, so every receive is posted at once: no probing.
+                    await asyncio.gather(*(ep.recv(f) for f in frames))
+                    checker.arrived([memoryview(f) for f in frames])
+                finished.set_result(None)
+            except Exception as e:  # ucxx would only log it: hand it to main
+                finished.set_exception(e)
+
+        listener = ucxx.create_listener(serve, port=0)
+        pipe.send(("address", f"ucx://127.0.0.1:{listener.port}"))
+        await finished
+        await asyncio.to_thread(_linger_for_acks, pipe)
+        listener.close()
+
+    _Loop.get().run(main(), timeout=600)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,418 @@
+"""The KV connector's guarantees (common/connector/base.py), checked on every transport:
+zmq over tcp and ipc, and ucx when ucxx is installed; plus the sender's lease table.
+
+Waiting is always "poll until a condition holds, within an overall deadline": no sleeps
+as synchronisation and no assertions about how long anything took.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import struct
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import zmq
+
+from common.connector import ucx as ucx_connector  # noqa: F401 - first: it sets UCX_* env before ucxx loads
+from common.connector.base import ReceivedTransfer
+from common.connector.lease import LeaseTable
+from common.connector.zmq import ZmqReceiver, ZmqSender
+from common.protocol import KVAck, KVHandoff, decode, encode
+
+TRANSPORTS = ["zmq-tcp", "zmq-ipc", "ucx"]
+BLOCK = 4096
+SMOLLM2_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # layers x (k, v) x tokens x kv heads x dims x fp32
+DEADLINE_S = 10.0
+
+
+def handoff(transfer_id: str, num_blocks: int, block_nbytes: int) -> KVHandoff:
+    return KVHandoff(
+        transfer_id=transfer_id, request_id=f"req-{transfer_id}", prompt_token_ids=[1, 2, 3],
+        first_tokens=[7], first_logprobs=[None], generator_states=[None],
+        params={"max_tokens": 4}, reply_to="tcp://127.0.0.1:1", num_cached_tokens=0,
+        num_blocks=num_blocks, block_nbytes=block_nbytes, layout=[30, 16, 3, 64, 4],
+    )
+
+
+def random_blocks(n: int, nbytes: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
+
+
+def views(blocks: Sequence[np.ndarray]) -> list[memoryview]:
+    return [memoryview(b) for b in blocks]
+
+
+def same_bytes(got: Sequence[memoryview], want: Sequence[np.ndarray]) -> bool:
+    return len(got) == len(want) and all(
+        np.array_equal(np.frombuffer(g, dtype=np.uint8), w) for g, w in zip(got, want, strict=True))
+
+
+@dataclass
+class Harness:
+    """A sender and a receiver on one transport, plus a low-level way to send garbage."""
+
+    kind: str
+    sender: object
+    receiver: object
+    raw_send: Callable[[str, bytes, Sequence[bytes | memoryview]], None]  # id, header, frames
+    raw_acks: Callable[[], list[KVAck]]
+    received: list[ReceivedTransfer] = field(default_factory=list)
+    acks: list[KVAck] = field(default_factory=list)
+
+    def send(self, transfer_id: str, blocks: Sequence[np.ndarray]) -> None:
+        nbytes = blocks[0].nbytes if blocks else 0
+        self.sender.send(self.receiver.address, handoff(transfer_id, len(blocks), nbytes), views(blocks))
+
+    def pump(self, auto_ack: bool) -> None:
+        for transfer in self.receiver.poll(timeout_ms=20):
+            self.received.append(transfer)
+            if auto_ack:
+                self.receiver.ack(transfer, ok=True)
+        self.acks += self.sender.poll_acks() + self.raw_acks()
+
+    def wait(self, done: Callable[[], bool], what: str, auto_ack: bool = True) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while not done():
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.kind}: no {what} within {DEADLINE_S} s "
+                            f"(received {[t.header.transfer_id for t in self.received]}, acks {self.acks})")
+            self.pump(auto_ack)
+
+    def ack_for(self, transfer_id: str) -> KVAck | None:
+        return next((a for a in self.acks if a.transfer_id == transfer_id), None)
+
+    def received_ids(self) -> list[str]:
+        return [t.header.transfer_id for t in self.received]
+
+
+def _zmq_harness(kind: str, address: str) -> Iterator[Harness]:
+    receiver = ZmqReceiver(address)
+    sender = ZmqSender()
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.connect(receiver.address)
+
+    def raw_send(transfer_id: str, head: bytes, frames: Sequence[bytes | memoryview]) -> None:
+        raw.send_multipart([head, *frames])
+
+    def raw_acks() -> list[KVAck]:
+        out = []
+        while raw.poll(0):
+            msg = decode(raw.recv())
+            assert isinstance(msg, KVAck)
+            out.append(msg)
+        return out
+
+    yield Harness(kind, sender, receiver, raw_send, raw_acks)
+    raw.close(linger=0)
+    sender.close()
+    receiver.close()
+
+
+def _ucx_harness() -> Iterator[Harness]:
+    pytest.importorskip("ucxx")
+    from common.connector.ucx import UcxReceiver, UcxSender
+
+    receiver = UcxReceiver("ucx://127.0.0.1:0")
+    sender = UcxSender()
+
+    def raw_send(transfer_id: str, head: bytes, frames: Sequence[bytes | memoryview]) -> None:
+        # The same endpoint a real transfer takes, with hand-made messages.
+        sender._send_raw(receiver.address, transfer_id, [struct.pack("<Q", len(head)), head, *frames])
+
+    yield Harness("ucx", sender, receiver, raw_send, lambda: [])
+    sender.close()
+    receiver.close()
+
+
+@pytest.fixture
+def ucx_harness() -> Iterator[Harness]:
+    yield from _ucx_harness()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def harness(request: pytest.FixtureRequest, tmp_path) -> Iterator[Harness]:
+    if request.param == "ucx":
+        yield from _ucx_harness()
+    elif request.param == "zmq-ipc":
+        yield from _zmq_harness("zmq-ipc", f"ipc://{tmp_path}/kv.sock")
+    else:
+        yield from _zmq_harness("zmq-tcp", "tcp://127.0.0.1:0")
+
+
+# ---- (a) one transfer, byte-exact, acked ---------------------------------------------
+
+
+def test_transfer_arrives_byte_exact_and_is_acked(harness: Harness) -> None:
+    blocks = random_blocks(5, BLOCK, seed=1)
+    harness.send("t-one", blocks)
+    harness.wait(lambda: harness.received, "transfer", auto_ack=False)
+
+    (transfer,) = harness.received
+    assert transfer.header == handoff("t-one", 5, BLOCK)
+    assert same_bytes(transfer.blocks, blocks)
+    if harness.kind == "ucx":  # zmq hands out its frames' (writable) buffers as they are
+        assert all(b.readonly for b in transfer.blocks)
+
+    harness.receiver.ack(transfer, ok=True)
+    harness.wait(lambda: harness.acks, "ack")
+    assert harness.acks == [KVAck("t-one", True, "")]
+
+
+def test_wakeup_socket_turns_readable_for_a_transfer(harness: Harness) -> None:
+    wakeup = getattr(harness.receiver, "wakeup_socket", None)
+    if wakeup is None:
+        pytest.skip(f"{harness.kind} receiver offers no wakeup_socket")
+    assert not wakeup.poll(0)
+    harness.send("t-wake", random_blocks(2, BLOCK, seed=2))
+    deadline = time.monotonic() + DEADLINE_S
+    while not wakeup.poll(20):  # what a worker's poller would sleep on
+        assert time.monotonic() < deadline, "wakeup socket never turned readable"
+    harness.wait(lambda: harness.received, "transfer")
+    assert not wakeup.poll(0)  # poll() took the transfer and the wake-up with it
+
+
+# ---- (b) several in a row, in order --------------------------------------------------
+
+
+def test_transfers_arrive_in_order(harness: Harness) -> None:
+    sent = {f"t-{i}": random_blocks(3, BLOCK, seed=10 + i) for i in range(8)}
+    for transfer_id, blocks in sent.items():
+        harness.send(transfer_id, blocks)
+    harness.wait(lambda: len(harness.acks) == len(sent), "acks for every transfer")
+
+    assert harness.received_ids() == list(sent)
+    for transfer in harness.received:
+        assert same_bytes(transfer.blocks, sent[transfer.header.transfer_id])
+    assert sorted(a.transfer_id for a in harness.acks) == sorted(sent)
+    assert all(a.ok for a in harness.acks)
+
+
+# ---- (c) malformed transfers are refused ---------------------------------------------
+
+
+def _missing_frame(tid: str) -> tuple[bytes, list[bytes]]:
+    return encode(handoff(tid, 3, BLOCK)), [bytes(BLOCK), bytes(BLOCK)]
+
+
+def _short_frame(tid: str) -> tuple[bytes, list[bytes]]:
+    return encode(handoff(tid, 3, BLOCK)), [bytes(BLOCK), bytes(BLOCK - 1), bytes(BLOCK)]
+
+
+def _long_frame(tid: str) -> tuple[bytes, list[bytes]]:
+    return encode(handoff(tid, 2, BLOCK)), [bytes(BLOCK + 1), bytes(BLOCK)]
+
+
+def _not_a_handoff(tid: str) -> tuple[bytes, list[bytes]]:
+    return encode(KVAck(tid, True, "")), [bytes(BLOCK)]
+
+
+def _undecodable(tid: str) -> tuple[bytes, list[bytes]]:
+    return b"\xc1 not msgpack", [bytes(BLOCK)]
+
+
+MALFORMED = {"missing-frame": _missing_frame, "short-frame": _short_frame,
+             "long-frame": _long_frame, "not-a-handoff": _not_a_handoff,
+             "undecodable": _undecodable}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_transfer_is_rejected_and_nacked(harness: Harness, case: str) -> None:
+    bad = f"bad-{case}"
+    head, frames = MALFORMED[case](bad)
+    harness.raw_send(bad, head, frames)
+
+    # Then good transfers until one gets through. Over ucx the receiver drops a
+    # connection whose framing broke, so the first good one may be nacked (the sender
+    # reconnects for the next); the zmq transports take the first.
+    good_blocks = random_blocks(2, BLOCK, seed=3)
+    attempt = [f"good-{uuid.uuid4().hex[:8]}"]
+    harness.send(attempt[0], good_blocks)
+
+    def settled() -> bool:
+        ack = harness.ack_for(attempt[0])
+        if ack is not None and not ack.ok:
+            attempt[0] = f"good-{uuid.uuid4().hex[:8]}"
+            harness.send(attempt[0], good_blocks)
+            return False
+        nacked = any(not a.ok and a.transfer_id in (bad, "") for a in harness.acks)
+        return ack is not None and nacked
+
+    harness.wait(settled, "nack for the bad transfer and an ack for a good one")
+
+    assert bad not in harness.received_ids()
+    nacks = [a for a in harness.acks if a.transfer_id in (bad, "")]
+    assert nacks and all(not a.ok and a.reason for a in nacks)
+    good = [t for t in harness.received if t.header.transfer_id == attempt[0]]
+    assert len(good) == 1 and same_bytes(good[0].blocks, good_blocks)
+    if harness.kind != "ucx":
+        assert len(harness.received) == 1  # zmq keeps the connection: first good one arrives
+
+
+# ---- (d) real-size blocks ------------------------------------------------------------
+
+
+def test_smollm2_sized_transfers(harness: Harness) -> None:
+    sent = {f"big-{i}": random_blocks(24, SMOLLM2_BLOCK, seed=20 + i) for i in range(2)}
+    for transfer_id, blocks in sent.items():
+        harness.send(transfer_id, blocks)
+    harness.wait(lambda: len(harness.acks) == len(sent), "acks for the big transfers")
+
+    assert harness.received_ids() == list(sent)
+    for transfer in harness.received:
+        assert transfer.header.block_nbytes == SMOLLM2_BLOCK
+        assert same_bytes(transfer.blocks, sent[transfer.header.transfer_id])
+    assert all(a.ok for a in harness.acks)
+
+
+# ---- ucx specifics -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prefix", "reason"), [
+    (struct.pack("<Q", 1 << 40), "message length"),  # a 1 TB header
+    (struct.pack("<Q", 0), "message length"),
+    (bytes(9), "8-byte length prefix"),
+])
+def test_ucx_bad_length_prefix_is_refused(ucx_harness: Harness, prefix: bytes, reason: str) -> None:
+    h = ucx_harness
+    h.sender._send_raw(h.receiver.address, "huge", [prefix, b"x"])
+    h.wait(lambda: any(reason in a.reason for a in h.acks), f"nack saying {reason!r}")
+    assert not h.received
+    assert all(not a.ok for a in h.acks)
+
+
+def test_ucx_transfer_cut_off_midway_is_dropped(ucx_harness: Harness) -> None:
+    from common.connector.ucx import UcxSender
+
+    h = ucx_harness
+    quitter = UcxSender()
+    try:
+        cut = [struct.pack("<Q", len(head := encode(handoff("cut", 3, BLOCK)))), head, bytes(BLOCK)]
+        quitter._send_raw(h.receiver.address, "cut", cut)
+        h.wait(lambda: len(h.receiver._connections) == 1, "the quitter's connection")
+        quitter.close()  # gone after one of three blocks
+        h.wait(lambda: not h.receiver._connections, "the receiver to drop the dead connection")
+        h.send("after", random_blocks(1, BLOCK, seed=5))
+        h.wait(lambda: h.ack_for("after") is not None, "a later transfer")
+        assert h.received_ids() == ["after"]
+    finally:
+        quitter.close()
+
+
+def test_ucx_stalled_transfer_is_nacked_after_the_frame_timeout() -> None:
+    pytest.importorskip("ucxx")
+    from common.connector.ucx import UcxReceiver, UcxSender
+
+    receiver = UcxReceiver("ucx://127.0.0.1:0", frame_timeout_s=0.3)
+    sender = UcxSender()
+    h = Harness("ucx", sender, receiver, lambda *a: None, lambda: [])
+    try:
+        head = encode(handoff("stall", 3, BLOCK))
+        sender._send_raw(receiver.address, "stall", [struct.pack("<Q", len(head)), head, bytes(BLOCK)])
+        h.wait(lambda: h.ack_for("stall") is not None, "nack for the stalled transfer")
+        assert not h.received
+        assert not h.ack_for("stall").ok and "did not arrive" in h.ack_for("stall").reason
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ucx_unreachable_receiver_is_nacked_locally() -> None:
+    pytest.importorskip("ucxx")
+    from common.connector.ucx import UcxSender
+
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        address = f"ucx://127.0.0.1:{free.getsockname()[1]}"
+    sender = UcxSender(connect_timeout_s=1.0)  # ucxx occasionally waits it out (see ucx.py)
+    try:
+        sender.send(address, handoff("lost", 1, BLOCK), views(random_blocks(1, BLOCK, seed=4)))
+        deadline = time.monotonic() + DEADLINE_S
+        acks: list[KVAck] = []
+        while not acks and time.monotonic() < deadline:
+            acks = sender.poll_acks()
+            time.sleep(0.01)  # pacing a poll loop, not synchronisation
+        assert len(acks) == 1 and acks[0].transfer_id == "lost" and not acks[0].ok
+        assert acks[0].reason.startswith("ucx:")
+    finally:
+        sender.close()
+
+
+def test_ucx_module_imports_without_ucxx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ucxx", None)  # makes `import ucxx` raise ImportError
+    spec = importlib.util.find_spec("common.connector.ucx")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # a private copy: the real module keeps its ucxx
+    for role in (module.UcxSender, lambda: module.UcxReceiver("ucx://127.0.0.1:0")):
+        with pytest.raises(RuntimeError, match=r"pip install 'tandem\[ucx\]'"):
+            role()
+
+
+def test_ucx_address_parsing() -> None:
+    from common.connector.ucx import parse_address
+
+    assert parse_address("ucx://10.0.0.5:4000") == ("10.0.0.5", 4000)
+    assert parse_address("ucx://[::1]:0") == ("::1", 0)
+    for bad in ("tcp://1.2.3.4:5", "ucx://host", "ucx://:5", "ucx://h:99999", "ucx://h:x"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+# ---- LeaseTable ----------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease_settle_ends_a_lease_once() -> None:
+    clock = FakeClock()
+    table = LeaseTable(ttl_seconds=5.0, clock=clock)
+    lease = table.open("t1", "r1")
+    table.open("t2", "r1")
+    assert lease.deadline == 105.0 and len(table) == 2
+
+    assert table.settle(KVAck("t1", True)) == lease
+    assert table.settle(KVAck("t1", True)) is None  # a duplicate ack frees nothing twice
+    assert table.settle(KVAck("unknown", False, "x")) is None
+    assert len(table) == 1
+
+
+def test_lease_cancel_ends_only_that_requests_leases() -> None:
+    table = LeaseTable(ttl_seconds=5.0, clock=FakeClock())
+    table.open("t1", "r1")
+    table.open("t2", "r2")
+    table.open("t3", "r1")
+
+    assert sorted(lease.transfer_id for lease in table.cancel("r1")) == ["t1", "t3"]
+    assert table.cancel("r1") == []
+    assert len(table) == 1 and table.settle(KVAck("t2", True)) is not None
+
+
+def test_lease_expired_hands_back_each_lease_once() -> None:
+    clock = FakeClock()
+    table = LeaseTable(ttl_seconds=5.0, clock=clock)
+    table.open("t1", "r1")
+    clock.now += 2.0
+    table.open("t2", "r2")
+
+    clock.now = 104.9
+    assert table.expired() == []
+    clock.now = 105.0  # the deadline itself counts as expired
+    assert [lease.transfer_id for lease in table.expired()] == ["t1"]
+    assert table.expired() == []
+    assert table.settle(KVAck("t1", True)) is None  # too late: already handed back
+    clock.now = 1000.0
+    assert [lease.transfer_id for lease in table.expired()] == ["t2"]
+    assert len(table) == 0

@@ -1,0 +1,371 @@
+"""Wire protocol: every message round-trips; every malformed input is a ProtocolError."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import msgpack
+import pytest
+
+from common.hashing import hash_prefix_blocks
+from common.protocol import (
+    _REGISTRY,
+    MAX_MESSAGE_BYTES,
+    Abort,
+    Admitted,
+    Finished,
+    Heartbeat,
+    KVAck,
+    KVEvents,
+    KVHandoff,
+    Message,
+    Ping,
+    ProtocolError,
+    Register,
+    Rejected,
+    Reregister,
+    Status,
+    Submit,
+    Task,
+    Tokens,
+    decode,
+    encode,
+    params_from_wire,
+    params_to_wire,
+)
+from common.sampling_params import SamplingParams
+
+# What a params dict looks like once it has crossed the wire (msgpack turns tuples into lists).
+PARAMS = {k: list(v) if isinstance(v, tuple) else v for k, v in params_to_wire(SamplingParams(
+    max_tokens=32, temperature=0.7, top_p=0.9, seed=1234, stop=("\n\n", "###"),
+    stop_token_ids=(2, 7), logprobs=3)).items()}
+PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13, 4013, 338, 263, 1243, 3142, 1058, 9157, 29889]
+HASHES = hash_prefix_blocks(PROMPT, 4)
+
+EXAMPLES: list[Message] = [
+    Submit("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201", 1_717_000_000.25),
+    Admitted("req-1"),
+    Rejected("req-1", 429, "server busy: 256 requests already queued", 1.0),
+    Rejected("req-2", 400, "the prompt is too long"),
+    Abort("req-1"),
+    Abort("req-1", "peer failed"),
+    Ping(42),
+    Status(42, 2, 3, 7, 4096),
+    Task("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201"),
+    Task("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201", "decode-0", "tcp://10.0.0.9:7300"),
+    Tokens("req-1", 0, 0, [450]),
+    Tokens("req-1", 1, 5, [450, 4996, 2], [[-0.25, [[450, -0.25], [319, -1.75]]],
+                                          [-0.5, [[4996, -0.5]]], [-0.125, []]],
+           "stop", 16, 8),
+    Tokens("req-1", 0, 0, [], error="worker prefill-0 failed while serving the request"),
+    Register("decode-0", "decode", "tcp://10.0.0.9:7300", "http://10.0.0.9:9100/metrics",
+             2048, 16, 4096, "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    Register("prefill-0", "prefill", None, "http://10.0.0.8:9100/metrics", 1024, 16, 4096,
+             "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    Reregister("decode-0"),
+    Heartbeat("decode-0", 3, 1, 1500, 2048),
+    KVEvents("prefill-0"),
+    KVEvents("prefill-0", stored=HASHES[:3], evicted=HASHES[3:], cleared=True),
+    Finished("req-1", "prefill-0", "prefill"),
+    Finished("req-1", "decode-0", "request", error="KV transfer failed: timeout"),
+    KVHandoff("xfer-1", "req-1", PROMPT, [450, 319], [[-0.25, [[450, -0.25]]], None],
+              [None, b"\x01\x02\x03generator-state"], PARAMS, "tcp://10.0.0.5:7201", 8, 4,
+              131072, [30, 16, 3, 64, 2]),
+    KVAck("xfer-1", True),
+    KVAck("xfer-1", False, "no free blocks"),
+]
+
+
+def raw(*items) -> bytes:
+    """Hand-built wire bytes (what a misbehaving peer might send)."""
+    return msgpack.packb(list(items), use_bin_type=True)
+
+
+def fields_of(msg: Message) -> list:
+    return [getattr(msg, f.name) for f in dataclasses.fields(msg)]
+
+
+def with_field(msg: Message, name: str, value) -> bytes:
+    """``msg`` on the wire with one field replaced by ``value`` (type checks bypassed)."""
+    names = [f.name for f in dataclasses.fields(msg)]
+    values = fields_of(msg)
+    values[names.index(name)] = value
+    return raw(msg.TAG, msg.VERSION, values)
+
+
+# ---- round trips ----------------------------------------------------------------------
+
+def test_every_registered_message_type_has_an_example():
+    assert {type(m) for m in EXAMPLES} == set(_REGISTRY.values())
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: Message):
+    data = encode(msg)
+    back = decode(data)
+    assert type(back) is type(msg)
+    assert back == msg
+    assert decode(memoryview(data)) == msg
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_wire_layout_is_tag_version_values_in_a_msgpack_array(msg: Message):
+    data = encode(msg)
+    assert data[0] == 0x93  # fixarray of 3: never a pickle stream (those start with 0x80)
+    assert msgpack.unpackb(data, raw=False) == [msg.TAG, msg.VERSION, fields_of(msg)]
+
+
+def test_bytes_fields_stay_bytes_and_strings_stay_strings():
+    back = decode(encode(KVEvents("w", stored=HASHES[:2])))
+    assert all(type(h) is bytes and len(h) == 16 for h in back.stored)
+    assert decode(encode(Admitted("req-é"))).request_id == "req-é"
+
+
+# ---- rejections ----------------------------------------------------------------------
+
+def test_unknown_tag():
+    with pytest.raises(ProtocolError, match="unknown message tag"):
+        decode(raw("launch_missiles", 1, []))
+    with pytest.raises(ProtocolError, match="unknown message tag"):
+        decode(raw(7, 1, ["req-1"]))
+    with pytest.raises(ProtocolError, match="unknown message tag"):
+        decode(raw(b"admitted", 1, ["req-1"]))  # bytes, not str
+
+
+@pytest.mark.parametrize("version", [0, 2, -1, "1", None])
+def test_wrong_version(version):
+    with pytest.raises(ProtocolError):
+        decode(raw("admitted", version, ["req-1"]))
+
+
+@pytest.mark.parametrize(("tag", "values"), [
+    ("admitted", []),
+    ("admitted", ["req-1", "extra"]),
+    ("rejected", ["req-1", 429]),
+    ("ping", [1, 2, 3]),
+])
+def test_wrong_field_count(tag, values):
+    with pytest.raises(ProtocolError, match="fields"):
+        decode(raw(tag, 1, values))
+
+
+def test_optional_fields_must_still_be_sent():
+    # Defaults exist only in Python: on the wire every field is present.
+    with pytest.raises(ProtocolError, match="fields"):
+        decode(raw("rejected", 1, ["req-1", 429, "busy"]))
+
+
+def test_values_must_be_a_list():
+    with pytest.raises(ProtocolError):
+        decode(raw("admitted", 1, "req-1"))
+    with pytest.raises(ProtocolError):
+        decode(raw("admitted", 1, {"request_id": "req-1"}))
+
+
+def test_top_level_must_be_a_three_item_array():
+    for data in (msgpack.packb("admitted"), msgpack.packb(7), msgpack.packb(["admitted", 1]),
+                 msgpack.packb(["admitted", 1, ["r"], 0]), msgpack.packb(None)):
+        with pytest.raises(ProtocolError):
+            decode(data)
+
+
+WRONG_TYPES = [
+    # (message, field, bad value)  — one per kind of mistake
+    (Ping(1), "nonce", "1"),  # str where int
+    (Ping(1), "nonce", True),  # bool where int
+    (Ping(1), "nonce", 1.0),  # float where int
+    (Ping(1), "nonce", None),  # None where not optional
+    (Status(1, 1, 1, 0, 4096), "max_model_len", 4096.5),
+    (Rejected("r", 429, "busy", 1.0), "status", "429"),
+    (Rejected("r", 429, "busy", 1.0), "retry_after", "soon"),  # optional, but not any type
+    (Admitted("r"), "request_id", 17),  # int where str
+    (Admitted("r"), "request_id", b"r"),  # bytes where str
+    (Admitted("r"), "request_id", None),
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "prompt_token_ids", [1, "2"]),  # list item
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "prompt_token_ids", [1, True]),
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "prompt_token_ids", [1, 2.0]),
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "prompt_token_ids", [1, None]),
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "prompt_token_ids", 12),  # not a list
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "prompt_token_ids", None),
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "arrival_time", "now"),  # str where float
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "arrival_time", False),  # bool where float
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "params", [["max_tokens", 3]]),  # not a dict
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "params", None),
+    (Submit("r", [1, 2], {}, "tcp://x:1", 0.0), "params", {b"max_tokens": 3}),  # bytes key
+    (Tokens("r", 0, 0, []), "logprobs", [[-0.5, []], "x"]),  # list[list] item not a list
+    (Tokens("r", 0, 0, []), "logprobs", [-0.5]),
+    (Tokens("r", 0, 0, []), "error", 500),
+    (KVEvents("w"), "stored", ["0123456789abcdef"]),  # str where bytes
+    (KVEvents("w"), "stored", [None]),
+    (KVEvents("w"), "cleared", 1),  # int where bool
+    (KVEvents("w"), "cleared", None),
+    (Register("w", "decode", None, "m", 1, 16, 1024, "x"), "kv_addr", 7300),
+    (KVHandoff("t", "r", [1], [2], [None], [None], {}, "a", 0, 1, 8, [1, 2]),
+     "generator_states", ["state"]),  # str where bytes | None
+    (KVHandoff("t", "r", [1], [2], [None], [None], {}, "a", 0, 1, 8, [1, 2]),
+     "first_logprobs", [3]),  # int where list | None
+    (KVAck("t", True), "ok", "yes"),
+]
+
+
+@pytest.mark.parametrize(("msg", "name", "value"), WRONG_TYPES,
+                         ids=[f"{type(m).__name__}.{n}={v!r}" for m, n, v in WRONG_TYPES])
+def test_wrong_field_type(msg: Message, name: str, value):
+    assert decode(encode(msg)) == msg  # the message itself is fine ...
+    with pytest.raises(ProtocolError, match=rf"{msg.TAG}\.{name} has the wrong type"):
+        decode(with_field(msg, name, value))  # ... one bad field is not
+
+
+def test_non_str_dict_keys_are_rejected_before_type_checks():
+    # msgpack's strict_map_key refuses int keys while unpacking.
+    data = raw("submit", 1, ["r", [1], {1: 3}, "tcp://x:1", 0.0])
+    with pytest.raises(ProtocolError):
+        decode(data)
+
+
+def test_int_is_accepted_where_float_is_expected():
+    msg = decode(with_field(Submit("r", [1], {}, "tcp://x:1", 0.0), "arrival_time", 12))
+    assert msg.arrival_time == 12
+
+
+@pytest.mark.parametrize("data", [
+    b"",
+    b"\xc1",  # a byte msgpack never uses
+    b"\x93\xa6submit",  # truncated
+    b"\x93",
+    bytes(range(256)),
+    b"\x91" * 100_000,  # nested far past any stack limit
+    b"GET / HTTP/1.1\r\nHost: router\r\n\r\n",
+    b"\xff\xff\xff",
+], ids=["empty", "reserved-byte", "truncated", "bare-array-header", "byte-ramp", "deep-nesting",
+        "http", "ff"])
+def test_garbage_bytes(data: bytes):
+    with pytest.raises(ProtocolError):
+        decode(data)
+
+
+def test_message_over_the_size_limit():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(b"\x00" * (MAX_MESSAGE_BYTES + 1))
+    # a well-formed message is refused too once it is too big
+    big = encode(Submit("r", [1], {}, "x" * MAX_MESSAGE_BYTES, 0.0))
+    assert len(big) > MAX_MESSAGE_BYTES
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(big)
+
+
+def test_a_large_prompt_fits():
+    prompt = list(range(30_000, 130_000))  # 100k tokens
+    msg = Submit("r", prompt, PARAMS, "tcp://x:1", 0.0)
+    assert len(encode(msg)) < MAX_MESSAGE_BYTES
+    assert decode(encode(msg)) == msg
+
+
+# ---- nothing executes -----------------------------------------------------------------
+
+_CALLS: list[str] = []
+
+
+def _record(tag: str) -> None:
+    _CALLS.append(tag)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (_record, ("unpickled",))
+
+
+def test_a_pickle_is_garbage_and_never_runs():
+    _CALLS.clear()
+    payload = pickle.dumps(_Exploit())
+    assert pickle.loads(payload) is None and _CALLS == ["unpickled"]  # the payload is live
+    _CALLS.clear()
+    with pytest.raises(ProtocolError):
+        decode(payload)
+    with pytest.raises(ProtocolError):
+        decode(pickle.dumps(Admitted("req-1")))
+    assert _CALLS == []
+
+
+def test_ext_types_are_rejected_in_typed_fields():
+    ext = msgpack.ExtType(42, pickle.dumps(_Exploit()))
+    _CALLS.clear()
+    with pytest.raises(ProtocolError, match="wrong type"):
+        decode(raw("admitted", 1, [ext]))
+    with pytest.raises(ProtocolError):
+        decode(raw(ext, 1, ["req-1"]))
+    with pytest.raises(ProtocolError, match="wrong type"):
+        decode(raw("submit", 1, ["r", [1, ext], {}, "tcp://x:1", 0.0]))
+    assert _CALLS == []
+
+
+def test_ext_types_in_free_form_fields_stay_inert_bytes():
+    payload = pickle.dumps(_Exploit())
+    ext = msgpack.ExtType(42, payload)
+    _CALLS.clear()
+    msg = decode(raw("submit", 1, ["r", [1], {"seed": ext}, "tcp://x:1", 0.0]))
+    assert msg.params["seed"] == msgpack.ExtType(42, payload)  # opaque data, never unpickled
+    assert _CALLS == []
+    with pytest.raises(ProtocolError):
+        params_from_wire({"stop_token_ids": [ext]})
+    assert _CALLS == []
+
+
+# ---- sampling params ------------------------------------------------------------------
+
+def test_params_round_trip_through_the_wire():
+    params = SamplingParams(max_tokens=None, temperature=0.0, seed=7, stop=("a", "bc"),
+                            stop_token_ids=(2,), n=3, logprobs=0, ignore_eos=True)
+    wire = decode(encode(Task("r", [1], params_to_wire(params), "tcp://x:1"))).params
+    assert isinstance(wire["stop"], list)  # msgpack has no tuples ...
+    back = params_from_wire(wire)
+    assert back == params  # ... params_from_wire rebuilds them
+    assert back.stop == ("a", "bc") and back.stop_token_ids == (2,)
+
+
+def test_params_from_wire_turns_lists_into_tuples_and_ignores_unknown_keys():
+    params = params_from_wire({"stop": ["x"], "stop_token_ids": [5, 6], "best_of": 9,
+                               "max_tokens": 4})
+    assert params.stop == ("x",)
+    assert params.stop_token_ids == (5, 6)
+    assert params.max_tokens == 4
+    assert params_from_wire({}) == SamplingParams()
+
+
+@pytest.mark.parametrize("raw_params", [
+    {"max_tokens": 0},
+    {"temperature": -0.1},
+    {"temperature": 101.0},
+    {"temperature": float("nan")},
+    {"temperature": "hot"},
+    {"top_p": 0.0},
+    {"top_p": 1.5},
+    {"top_k": -2},
+    {"min_p": 2.0},
+    {"n": 0},
+    {"n": 1000},
+    {"presence_penalty": 3.0},
+    {"frequency_penalty": -2.5},
+    {"repetition_penalty": 0.0},
+    {"logprobs": 21},
+    {"logprobs": -1},
+    {"min_tokens": -1},
+    {"min_tokens": 10, "max_tokens": 5},
+    {"stop": ["a"] * 17},
+    {"stop": [""]},
+    {"stop_token_ids": [-1]},
+    {"stop_token_ids": ["eos"]},
+], ids=lambda p: ",".join(f"{k}={v!r}"[:30] for k, v in p.items()))
+def test_params_from_wire_rejects_invalid_values(raw_params):
+    with pytest.raises(ProtocolError, match="bad sampling params"):
+        params_from_wire(raw_params)
+
+
+@pytest.mark.parametrize("raw_params", [
+    {"seed": "x"}, {"max_tokens": 2.5}, {"n": True}, {"ignore_eos": "yes"}, {"stop": [1, 2]},
+    {"logprobs": 1.5},
+])
+def test_params_from_wire_rejects_wrong_types(raw_params):
+    with pytest.raises(ProtocolError):
+        params_from_wire(raw_params)
