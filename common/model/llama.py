@@ -18,10 +18,11 @@ from common.model.spec import ModelSpec
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 # Below this many rows, MKL computes ``weight @ x.T`` faster than ``x @ weight.T`` on this
-# class of CPU (measured: 2.5x at 2-4 rows, 1.2x at 64, even at 256), so small batches
-# get the transposed product; its result is a transposed view, which every op here accepts.
-# A single row goes through MKL's GEMV, slower than its GEMM on two rows (1.1-1.3x), so
-# it is duplicated.
+# class of CPU (measured: 1.5-2.5x at 2-4 rows, 1.2x at 64 with 2 threads, even at 256),
+# so small batches get the transposed product; its result is a transposed view, which
+# every op here accepts. A single row with several threads goes through MKL's GEMV,
+# slower than its GEMM on two rows (1.1-1.3x), so it is duplicated; with one thread the
+# plain product is best for a single row.
 SMALL_BATCH_ROWS = 256
 
 
@@ -31,6 +32,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or rows > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
     if rows == 1:
+        if torch.get_num_threads() == 1:
+            return F.linear(x, weight, bias)
         y = torch.mm(weight, torch.cat((x, x)).t())[:, :1].t()
     else:
         y = torch.mm(weight, x.t()).t()
