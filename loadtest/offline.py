@@ -1,8 +1,8 @@
 """``tandem bench offline``: Tandem's engine against HF transformers ``generate``, one run.
 
 The workload (default 64 random prompts x 256 tokens in, 128 out, EOS ignored, greedy)
-goes through Tandem and through transformers in static batches (default 16) with the
-same prompts and thread count. It prints both throughputs and their ratio, Tandem's
+goes through Tandem, then transformers in static batches (default 16) with the same
+prompts and thread count, then Tandem again (the ratio uses the mean of both Tandem runs). It prints both throughputs and their ratio, Tandem's
 fraction of the compute limit (workload FLOPs / fp32 GEMM rate measured now), and
 batch-1 decode latency against the bandwidth limit (weights streamed once per token).
 """
@@ -57,11 +57,25 @@ def run(args: argparse.Namespace) -> int:
 
     engine.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine.pool.reset_prefix_cache()
-    say(f"tandem: {len(prompts)} prompts x ({args.input_len} in, {args.output_len} out) ...")
-    tandem_s = _timed(lambda: engine.generate(prompts, params))
-    engine.pool.reset_prefix_cache()
+
+    def tandem_run() -> float:
+        say(f"tandem: {len(prompts)} prompts x ({args.input_len} in, {args.output_len} out) ...")
+        seconds = _timed(lambda: engine.generate(prompts, params))
+        engine.pool.reset_prefix_cache()  # the next run must not hit this run's blocks
+        return seconds
+
+    # Tandem, HF, Tandem (A-B-A): this machine drifts, and averaging Tandem's runs on
+    # both sides of HF's cancels a linear drift out of the ratio.
+    tandem_runs = [tandem_run()]
     tpot_ms = _batch1_tpot_ms(engine, prompts[0], args.batch1_tokens)
 
+    hf_s = None
+    if not args.skip_hf:
+        say(f"hf transformers: static batches of {args.hf_batch} ...")
+        hf_s = _hf_seconds(_model_dir(args), prompts, args.output_len, args.hf_batch)
+        tandem_runs.append(tandem_run())
+        gflops = (gflops + limits.gemm_gflops(spec)) / 2
+    tandem_s = sum(tandem_runs) / len(tandem_runs)
     out_tokens = len(prompts) * args.output_len
     flops = limits.generation_flops(spec, args.input_len, args.output_len, len(prompts))
     result = {
@@ -73,10 +87,8 @@ def run(args: argparse.Namespace) -> int:
         "batch1_tpot_ms": tpot_ms,
         "batch1_bandwidth_limit_ms": limits.weight_bytes_per_token(spec) / (bandwidth * 1e9) * 1e3,
     }
-    if not args.skip_hf:
-        say(f"hf transformers: static batches of {args.hf_batch} ...")
-        del engine  # free the KV cache before loading a second copy of the weights
-        hf_s = _hf_seconds(_model_dir(args), prompts, args.output_len, args.hf_batch)
+    result["tandem_runs_seconds"] = tandem_runs
+    if hf_s is not None:
         result.update(hf_seconds=hf_s, hf_tok_s=out_tokens / hf_s, ratio_vs_hf=hf_s / tandem_s)
     _print(result, args)
     if args.json:
@@ -131,7 +143,8 @@ def _print(r: dict, args: argparse.Namespace) -> None:
         f"workload: {r['num_prompts']} prompts x ({r['input_len']} in, {r['output_len']} out), "
         f"greedy, EOS ignored, {r['threads']} threads",
         f"machine now: fp32 GEMM {r['gemm_gflops']:.1f} GFLOP/s, memory read {r['read_bandwidth_gbs']:.1f} GB/s",
-        f"tandem:           {r['tandem_tok_s']:7.1f} output tok/s ({r['tandem_seconds']:.1f} s)",
+        f"tandem:           {r['tandem_tok_s']:7.1f} output tok/s ({r['tandem_seconds']:.1f} s, mean of "
+        f"{len(r['tandem_runs_seconds'])} runs: {', '.join(f'{x:.1f}' for x in r['tandem_runs_seconds'])})",
     ]
     if "hf_tok_s" in r:
         lines += [f"hf transformers:  {r['hf_tok_s']:7.1f} output tok/s ({r['hf_seconds']:.1f} s, "

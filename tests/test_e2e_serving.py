@@ -144,6 +144,34 @@ def test_client_disconnect_frees_every_block(pd):
     assert_idle(pd)
 
 
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", [
+    (CHAT, {"messages": []}, 400, "messages", "messages"),
+    (CHAT, [1, 2], 400, None, "object"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.[0].role", "role"),
+    (CHAT, {"messages": HI, "temperature": "hot"}, 400, "temperature", "number"),
+    (CHAT, {"messages": HI, "n": 0}, 400, "n", "n"),
+    (CHAT, {"messages": HI, "max_tokens": -5}, 400, "max_tokens", "max_tokens"),
+    (CHAT, {"messages": HI, "top_logprobs": 3}, 400, "top_logprobs", "logprobs"),
+    (CHAT, {"messages": HI, "stream": "yes"}, 400, "stream", "boolean"),
+    (CHAT, {"messages": HI, "model": "gpt-9"}, 404, "model", "does not exist"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 5000}, 400, "prompt", "context length"),
+    (COMPLETIONS, {"prompt": list(range(2000))}, 400, "prompt", "context length"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, 400, "prompt", "prompt"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 9}, 400, "logprobs", "logprobs"),
+])
+def test_bad_input_table_over_http(pd, path, body, status, param, words):
+    r = httpx.post(f"{pd.url}{path}", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and words in error["message"]
+
+
 def test_bad_input_gets_openai_errors(pd):
     r = httpx.post(f"{pd.url}/v1/chat/completions", json={"messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
