@@ -1,41 +1,31 @@
 """Loader and launcher of the fused CPU paged decode attention kernel.
 
-Owns ``kernels/cpu/paged_attention.c``: compiling it with the system gcc on first use
-(one build per cache dtype, about a second each) into a per-user cache
-(``$TANDEM_CACHE_DIR/kernels``, else ``~/.cache/tandem/kernels``),
-loading it with ctypes, and the checked Python entry point ``paged_decode_attention``,
-whose semantics are those of ``kernels.reference.paged_decode_attention`` for a float32
-query and a float32, float16 or bfloat16 cache. ``available()`` says whether the kernel
-could be built here; when it cannot, callers use the torch path.
-
-The build is keyed by a hash of the source, the flags, the compiler version, the machine
-and the CPU (``-march=native``), so a stale or foreign build is never loaded. torch is
-imported before the library is loaded so that its ``libgomp.so.1`` dependency binds to
-the libgomp torch already mapped: one OpenMP runtime and thread pool for both.
+Owns ``kernels/cpu/paged_attention.c``: building it on first use (one build per cache
+dtype, about a second each; the compile-and-cache mechanism, its cache dir and build key
+are ``kernels.cpu_build``'s), loading it with ctypes, and the checked Python entry point
+``paged_decode_attention``, whose semantics are those of
+``kernels.reference.paged_decode_attention`` for a float32 query and a float32, float16
+or bfloat16 cache. ``available()`` says whether the kernel could be built here; when it
+cannot, callers use the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import re
-import shutil
-import subprocess
-import tempfile
-import threading
+import shutil  # noqa: F401  (tests patch shutil.which through this module)
 from pathlib import Path
 
-import torch  # must be loaded before the kernel library, see the docstring
+import torch  # must be loaded before the kernel library, see kernels.cpu_build
 
-log = logging.getLogger(__name__)
+from kernels import cpu_build
+from kernels.cpu_build import CFLAGS, LIBS, build_key, cache_dir, openmp_runtimes
+
+__all__ = [
+    "CFLAGS", "LIBS", "SOURCE", "available", "bind", "build_flags", "build_key", "cache_dir",
+    "library_path", "openmp_runtimes", "paged_decode_attention", "unavailable_reason",
+]  # fmt: skip
 
 SOURCE = Path(__file__).parent / "cpu" / "paged_attention.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-LIBS = ("-lm",)
 
 # Cache element type -> (suffix of the C entry point, -DPA_DTYPE code). Each type is a
 # separate build (about a second of gcc), made the first time a cache of that type is seen.
@@ -49,80 +39,19 @@ _ARGTYPES = [
     ctypes.c_float, _ptr, _i32,  # scale, out, num_threads
 ]  # fmt: skip
 
-_BUILD_ERRORS = (OSError, RuntimeError, AttributeError, IndexError, subprocess.SubprocessError)
-_OPENMP_LIB = re.compile(r"\S*/lib(?:gomp|iomp5|omp)\b[^/\s]*\.so[^/\s]*")
-_lock = threading.Lock()
 _functions: dict[torch.dtype, ctypes._CFuncPtr | None] = {}  # None: could not build
 _reasons: dict[torch.dtype, str] = {}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "tandem"
-    return base / "kernels"
-
-
-def _cpu_identity() -> str:
-    """The CPU model and flags lines of /proc/cpuinfo ('' where unreadable)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    keep = ("model name", "flags", "Features", "CPU part")
-    found: dict[str, str] = {}
-    for line in lines:
-        key = line.split(":", 1)[0].strip()
-        if key in keep and key not in found:
-            found[key] = line
-    return "\n".join(found[k] for k in keep if k in found)
-
-
-@functools.cache
-def _compiler_version(cc: str) -> str:
-    run = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30)
-    target = subprocess.run(
-        [cc, "-dumpmachine"], check=False, capture_output=True, text=True, timeout=30
-    )
-    return run.stdout.splitlines()[0] + " " + target.stdout.strip()
 
 
 def build_flags(dtype: torch.dtype) -> tuple[str, ...]:
     return (*CFLAGS, f"-DPA_DTYPE={_DTYPES[dtype][1]}")
 
 
-def build_key(source: str, cc_version: str, flags: tuple[str, ...] = CFLAGS) -> str:
-    """Hash of everything that decides what the built library contains."""
-    parts = [source, " ".join(flags + LIBS), cc_version, platform.machine(), _cpu_identity()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
-
-
-def _compile(cc: str, flags: tuple[str, ...], out: Path) -> None:
-    """Build into a temporary name beside ``out``, then rename (safe under races)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [cc, *flags, str(SOURCE), "-o", tmp, *LIBS]
-        res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def library_path(dtype: torch.dtype = torch.float32) -> Path:
     """The build for this source, compiler, CPU and cache dtype (compiled if absent)."""
-    cc = shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("gcc not found on PATH")
-    flags = build_flags(dtype)
-    key = build_key(SOURCE.read_text(), _compiler_version(cc), flags)
-    path = cache_dir() / f"paged_attention-{_DTYPES[dtype][0]}-{key}.so"
-    if not path.exists():
-        _compile(cc, flags, path)
-    return path
+    return cpu_build.library_path(
+        SOURCE, f"paged_attention-{_DTYPES[dtype][0]}", build_flags(dtype)
+    )
 
 
 def bind(lib: ctypes.CDLL, dtype: torch.dtype) -> ctypes._CFuncPtr:
@@ -132,34 +61,16 @@ def bind(lib: ctypes.CDLL, dtype: torch.dtype) -> ctypes._CFuncPtr:
     return fn
 
 
-def openmp_runtimes() -> list[str]:
-    """Paths of the OpenMP runtimes mapped into this process ([] where unknowable)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return []
-    return sorted(set(_OPENMP_LIB.findall(maps)))
-
-
 def _open(dtype: torch.dtype) -> ctypes._CFuncPtr:
-    fn = bind(ctypes.CDLL(str(library_path(dtype))), dtype)
-    runtimes = openmp_runtimes()
-    if len(runtimes) > 1:  # e.g. a torch build whose bundled libgomp was renamed
-        log.warning("CPU attention kernel and torch use different OpenMP runtimes: %s", runtimes)
-    return fn
+    return bind(cpu_build.load(library_path(dtype), "CPU attention kernel"), dtype)
 
 
 def _function(dtype: torch.dtype) -> ctypes._CFuncPtr | None:
     if dtype in _functions:  # the per-call fast path: no lock
         return _functions[dtype]
-    with _lock:
-        if dtype not in _functions:
-            try:
-                _functions[dtype] = _open(dtype)
-            except _BUILD_ERRORS as exc:  # any of these means: use the torch path
-                _functions[dtype], _reasons[dtype] = None, f"{type(exc).__name__}: {exc}"
-                log.debug("CPU paged attention kernel unavailable: %s", _reasons[dtype])
-    return _functions[dtype]
+    return cpu_build.load_once(
+        _functions, _reasons, dtype, lambda: _open(dtype), "CPU paged attention kernel"
+    )
 
 
 def available(cache_dtype: torch.dtype = torch.float32) -> bool:

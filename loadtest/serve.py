@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=256, help="tokens per (short/unique) prompt")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of every request")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: shared tokens")
+    p.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix: distinct shared prefixes, cycled over the prompts")
     p.add_argument("--long-len", type=int, default=2000, help="mixed: tokens of a long prompt")
     p.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long prompts")
     p.add_argument("--seed", type=int, default=0)
@@ -150,11 +152,14 @@ def random_prompts(codec: Codec, num: int, input_len: int, seed: int) -> list[Pr
 
 
 def shared_prefix_prompts(codec: Codec, num: int, prefix_len: int, input_len: int,
-                          seed: int) -> list[Prompt]:
+                          seed: int, num_prefixes: int = 1) -> list[Prompt]:
+    """``num_prefixes`` groups (e.g. system prompts), each shared by the prompts that
+    cycle onto it; the groups are interleaved so that consecutive requests differ."""
     rng = random.Random(seed)
-    prefix = fit_text(codec, rng, prefix_len)
+    prefixes = [fit_text(codec, rng, prefix_len) for _ in range(num_prefixes)]
     total = prefix_len + input_len
-    return [Prompt(fit_text(codec, rng, input_len, head=prefix), total) for _ in range(num)]
+    return [Prompt(fit_text(codec, rng, input_len, head=prefixes[i % num_prefixes]), total)
+            for i in range(num)]
 
 
 def mixed_prompts(codec: Codec, num: int, input_len: int, long_len: int, long_fraction: float,
@@ -168,7 +173,8 @@ def mixed_prompts(codec: Codec, num: int, input_len: int, long_len: int, long_fr
 
 def build_prompts(args: argparse.Namespace, codec: Codec) -> list[Prompt]:
     if args.dataset == "shared-prefix":
-        return shared_prefix_prompts(codec, args.num_prompts, args.prefix_len, args.input_len, args.seed)
+        return shared_prefix_prompts(codec, args.num_prompts, args.prefix_len, args.input_len,
+                                     args.seed, args.num_prefixes)
     if args.dataset == "mixed":
         return mixed_prompts(codec, args.num_prompts, args.input_len, args.long_len,
                              args.long_fraction, args.seed)

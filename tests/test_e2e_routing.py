@@ -104,3 +104,20 @@ def test_no_workers_means_503_with_retry_after(tiny_model_dir):
         for p in procs:
             p.terminate()
             p.wait(20)
+
+
+def test_pd_over_ucx_gives_the_hf_tokens(tiny_model_dir):
+    pytest.importorskip("ucxx")
+    from tests.conftest import hf_greedy
+
+    prompt = list(range(400, 437))
+    with Cluster(str(tiny_model_dir), kv_transport="ucx") as cluster:
+        r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        [decode] = cluster.workers("decode")
+        received = cluster.metric(decode, "tandem:kv_transfer_bytes_total")
+    from common.model.tokenizer import Tokenizer
+
+    assert r.json()["choices"][0]["text"] == Tokenizer(tiny_model_dir).decode(
+        hf_greedy(tiny_model_dir, prompt, 16))
+    assert received > 0  # the KV really crossed the UCX transport

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.engine.kv_cache_manager import KVCacheManager
@@ -68,10 +69,18 @@ class ModelRunner:
         return [_byte_view(self.kv_cache[b].cpu()) for b in block_ids]
 
     def write_blocks(self, block_ids: list[int], payload: list[memoryview]) -> None:
-        """Fill blocks with bytes shipped from another worker's cache of the same layout."""
+        """Fill blocks with bytes shipped from another worker's cache of the same layout.
+
+        The payload is read-only (the transport's buffers), so it is read through numpy,
+        which allows that, rather than wrapped as a torch tensor, which does not.
+        """
         for block_id, buf in zip(block_ids, payload, strict=True):
-            src = torch.frombuffer(buf, dtype=torch.uint8)
-            self.kv_cache[block_id].view(-1).view(torch.uint8).copy_(src)
+            dst = self.kv_cache[block_id].view(-1).view(torch.uint8)
+            src = np.frombuffer(buf, dtype=np.uint8)
+            if self.device.type == "cpu":
+                dst.numpy()[:] = src
+            else:
+                dst.copy_(torch.from_numpy(src.copy()), non_blocking=False)
 
     @property
     def layout(self) -> list[int]:
