@@ -85,9 +85,15 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         raise ValueError("the CPU kernel takes CPU tensors only")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    n, k = weight.shape
-    if (k > 1 and weight.stride(1) != 1) or (n > 1 and weight.stride(0) < k):
+    if not _rows_contiguous(weight):
         raise ValueError(f"weight rows must be contiguous, got strides {weight.stride()}")
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether each row of 2-d ``t`` is contiguous and rows do not overlap (a stride only
+    matters along a dim of more than one element)."""
+    rows, cols = t.shape
+    return (cols <= 1 or t.stride(1) == 1) and (rows <= 1 or t.stride(0) >= cols)
 
 
 def linear(
@@ -99,23 +105,41 @@ def linear(
     """``x @ weight.T + bias`` (``F.linear``) by the C kernel: float32 accumulation in a
     different order than torch's (expect ~1e-6 relative differences). ``weight`` is read
     in place; its rows may be strided (a row slice of a bigger matrix) but each row must
-    be contiguous. Not differentiable: for inference."""
-    _check(x, weight, bias)
+    be contiguous. Not differentiable: for inference.
+
+    Called once per projection per decode step, so the common case (contiguous float32
+    CPU operands) is checked with as few tensor attribute reads as possible."""
     fn = _functions.get(_KEY) or _function()
     if fn is None:
         raise RuntimeError(f"CPU GEMM kernel unavailable: {_reasons[_KEY]}")
+    if not (
+        x.dtype is _f32
+        and weight.dtype is _f32
+        and x.dim() == 2
+        and weight.dim() == 2
+        and x.is_cpu
+        and weight.is_cpu
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype is _f32 and bias.is_cpu and bias.dim() == 1))
+    ):
+        _check(x, weight, bias)  # raises, unless only weight's rows are strided
     m, k = x.shape
-    n = weight.shape[0]
-    # A stride only matters along a dim of more than one element.
-    if (k > 1 and x.stride(1) != 1) or (m > 1 and x.stride(0) < k):
-        x = x.contiguous()
-    if bias is not None and n > 1 and bias.stride(0) != 1:
+    n, kw = weight.shape
+    if k != kw or (bias is not None and bias.shape[0] != n):
+        _check(x, weight, bias)
+    ldx = ldw = k
+    if not x.is_contiguous():
+        if _rows_contiguous(x):
+            ldx = x.stride(0) if m > 1 else k
+        else:
+            x = x.contiguous()
+    if not weight.is_contiguous() and n > 1:
+        ldw = weight.stride(0)
+    if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     y = torch.empty((m, n), dtype=_f32)
     rc = fn(
-        x.data_ptr(), x.stride(0) if m > 1 else k,
-        weight.data_ptr(), weight.stride(0) if n > 1 else k,
-        None if bias is None else bias.data_ptr(),
+        x.data_ptr(), ldx, weight.data_ptr(), ldw, None if bias is None else bias.data_ptr(),
         y.data_ptr(), n, m, n, k, num_threads or torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
