@@ -1,13 +1,15 @@
-"""Microbenchmark of the decode-step GEMMs of SmolLM2-135M on the CPU: C kernel vs torch.
+"""Microbenchmark of the GEMMs of SmolLM2-135M on the CPU: our packed-weight C kernel vs torch.
 
-One decode step of the model multiplies M rows (one per sequence) by every weight: per
+One step of the model multiplies M rows (one per sequence decoding, or per prompt token
+of a prefill chunk) by every weight: per
 layer the fused qkv (960x576), o (576x576), fused gate/up (3072x576) and down
 (576x1536) projections, 30 layers, then the LM head (49152x576). The 30 layers are
 distinct tensors (~425 MB, plus 113 MB of head), far past the L3 cache, so each weight
 comes from DRAM as in a real step ("cold"). For each thread count and M it prints the
 best-of-rounds milliseconds of the body (120 products) and of the head for
 
-* ``kernel``: ``kernels.cpu_gemm.linear(x, w)``,
+* ``kernel``: ``kernels.cpu_gemm.linear(x, packed)``, ``packed = cpu_gemm.pack(w)`` made
+  once beforehand (as the model does at load),
 * ``F.linear``: ``torch.nn.functional.linear(x, w)``,
 * ``mm``: ``torch.mm(w, x.t())`` (the transposed product, which MKL often runs faster),
 
@@ -16,7 +18,7 @@ bytes / time), and ``rel diff``: the largest |kernel - F.linear| / max|F.linear|
 five shapes (another summation order, so not 0). Variants are interleaved within each round, so a noisy neighbour hits them
 alike; rerun noisy cases with ``--m``/``--threads``.
 
-    python loadtest/cpu_gemm_bench.py [--threads 1 2] [--m 1 2 4 8 16 32 64] [--rounds 3]
+    python loadtest/cpu_gemm_bench.py [--threads 1 2] [--m 1 2 4 8 16 32 64 256] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of each la
 Variant = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def variants(threads: int) -> dict[str, Variant]:
+def variants(threads: int, packed: dict[int, cpu_gemm.PackedWeight]) -> dict[str, Variant]:
+    """``packed``: each weight's packed form, by ``id`` of the weight."""
     return {
-        "kernel": lambda x, w: cpu_gemm.linear(x, w, num_threads=threads),
+        "kernel": lambda x, w: cpu_gemm.linear(x, packed[id(w)], num_threads=threads),
         "F.linear": lambda x, w: F.linear(x, w),
         "mm": lambda x, w: torch.mm(w, x.t()),
     }
@@ -69,12 +72,13 @@ def rel_diff(threads: int, layer: list[torch.Tensor], head: torch.Tensor, m: int
 
 
 def bench(
-    threads: int, m: int, rounds: int, layers: list[list[torch.Tensor]], head: torch.Tensor
+    threads: int, m: int, rounds: int, layers: list[list[torch.Tensor]], head: torch.Tensor,
+    packed: dict[int, cpu_gemm.PackedWeight],
 ) -> dict[str, tuple[float, float]]:
     """{variant: (best body s, best head s)}."""
     xs = [torch.randn(m, k) for _, k in SHAPES]
     xh = torch.randn(m, HIDDEN)
-    fns = variants(threads)
+    fns = variants(threads, packed)
     best = {name: [float("inf"), float("inf")] for name in fns}
     for fn in fns.values():  # warm-up: first-call costs (MKL init, kernel build)
         fn(xs[0], layers[0][0])
@@ -88,7 +92,7 @@ def bench(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if not cpu_gemm.available():
@@ -96,6 +100,7 @@ def main() -> None:
     torch.manual_seed(0)
     layers = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     head = torch.randn(VOCAB, HIDDEN) * 0.02
+    packed = {id(w): cpu_gemm.pack(w) for w in [*(w for layer in layers for w in layer), head]}
     body_bytes = sum(w.numel() * 4 for layer in layers for w in layer)
     head_bytes = head.numel() * 4
     print(
@@ -110,7 +115,7 @@ def main() -> None:
         for threads in args.threads:
             torch.set_num_threads(threads)
             for m in args.m:
-                r = bench(threads, m, args.rounds, layers, head)
+                r = bench(threads, m, args.rounds, layers, head, packed)
                 row = f"{threads:>3} {m:>4} |"
                 for i, nbytes in ((0, body_bytes), (1, head_bytes)):
                     k, fl, mm = (r[v][i] * 1e3 for v in ("kernel", "F.linear", "mm"))

@@ -82,7 +82,8 @@ def loaded_model(directory: Path, max_model_len: int | None = None):
 
 def make_engine(directory: Path, num_blocks: int = 256, block_size: int = 16,
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                enable_prefix_caching: bool = True, max_model_len: int | None = None, **kw):
+                enable_prefix_caching: bool = True, max_model_len: int | None = None, loaded=None,
+                **kw):
     from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from common.engine.engine import Engine
 
@@ -93,7 +94,7 @@ def make_engine(directory: Path, num_blocks: int = 256, block_size: int = 16,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
         threads=torch.get_num_threads(), **kw)
-    return Engine(config, loaded=loaded_model(directory, max_model_len))
+    return Engine(config, loaded=loaded or loaded_model(directory, max_model_len))
 
 
 def hf_greedy(directory: Path, prompt: list[int], num_tokens: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The CPU small-M GEMM kernel (kernels.cpu_gemm.linear) against torch."""
+"""The CPU GEMM kernel on packed weights (kernels.cpu_gemm) against torch."""
 
 from __future__ import annotations
 
@@ -34,14 +34,26 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("n", [960, 576, 3072, 7])
 @pytest.mark.parametrize("k", [576, 1536, 37])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 33, 64, 97, 200])
 def test_matches_torch(m: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(m * 10007 + k * 31 + n)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n)
+    packed = cpu_gemm.pack(w)
+    assert packed.shape == (n, k)
     for threads in (1, 2):
-        assert_matches(cpu_gemm.linear(x, w, num_threads=threads), reference(x, w, None))
-        assert_matches(cpu_gemm.linear(x, w, b, num_threads=threads), reference(x, w, b))
-    torch.testing.assert_close(cpu_gemm.linear(x, w, b), x @ w.T + b, rtol=1e-4, atol=1e-3)
+        assert_matches(cpu_gemm.linear(x, packed, num_threads=threads), reference(x, w, None))
+        assert_matches(cpu_gemm.linear(x, packed, b, num_threads=threads), reference(x, w, b))
+    torch.testing.assert_close(cpu_gemm.linear(x, packed, b), x @ w.T + b, rtol=1e-4, atol=1e-3)
+
+
+def test_exact_on_small_integers() -> None:
+    """Integers small enough to be exact in float32: any summation order gives the same
+    sums, so the kernel must equal the float64 product exactly, tails included."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(-8, 8, (13, 45), generator=g).float()
+    w = torch.randint(-8, 8, (37, 45), generator=g).float()
+    b = torch.randint(-8, 8, (37,), generator=g).float()
+    assert torch.equal(cpu_gemm.linear(x, cpu_gemm.pack(w), b), reference(x, w, b))
 
 
 @pytest.mark.parametrize("m", [1, 4, 7])
@@ -91,9 +103,9 @@ def test_rejects_bad_inputs() -> None:
         cpu_gemm.linear(x, w.half())
     with pytest.raises(ValueError, match="float32"):
         cpu_gemm.linear(x, w, b.bfloat16())
-    with pytest.raises(ValueError, match="bias must have shape"):
+    with pytest.raises(ValueError, match="bias must be"):
         cpu_gemm.linear(x, w, b[:5])
-    with pytest.raises(ValueError, match="bias must have shape"):
+    with pytest.raises(ValueError, match="bias must be"):
         cpu_gemm.linear(x, w, b[None])
     with pytest.raises(ValueError, match="weight rows must be contiguous"):
         cpu_gemm.linear(x, torch.randn(8, 6).t())
@@ -118,22 +130,30 @@ def test_scalar_fallback_build(tmp_path: Path) -> None:
     cmd = [cc, *flags, "-mno-avx2", "-mno-fma", str(cpu_gemm.SOURCE), "-o", str(lib_path)]
     subprocess.run(cmd, check=True, capture_output=True)
     lib = ctypes.CDLL(str(lib_path))
-    assert lib.small_gemm_simd_level() == 0
-    fn = cpu_gemm.bind(lib)
+    assert lib.packed_gemm_simd_level() == 0
+    kernel = cpu_gemm.bind(lib)
     x, w, b = torch.randn(5, 37), torch.randn(11, 37), torch.randn(11)
+    packed = torch.empty(kernel.packed_size(11, 37))
+    assert packed.numel() == 16 * 37  # one zero-padded panel
+    assert kernel.pack(w.data_ptr(), 37, 11, 37, packed.data_ptr()) == 0
     y = torch.empty(5, 11)
-    assert fn(x.data_ptr(), 37, w.data_ptr(), 37, b.data_ptr(), y.data_ptr(), 11, 5, 11, 37, 2) == 0
+    assert kernel.linear(x.data_ptr(), 37, packed.data_ptr(), b.data_ptr(), y.data_ptr(), 11,
+                         5, 11, 37, 2) == 0  # fmt: skip
     assert_matches(y, reference(x, w, b))
-    assert fn(x.data_ptr(), 36, w.data_ptr(), 37, None, y.data_ptr(), 11, 5, 11, 37, 1) == -1
+    assert kernel.linear(x.data_ptr(), 36, packed.data_ptr(), None, y.data_ptr(), 11,
+                         5, 11, 37, 1) == -1  # fmt: skip
 
 
 def test_simd_build_and_rejected_strides() -> None:
     lib = ctypes.CDLL(str(cpu_gemm.library_path()))
-    assert lib.small_gemm_simd_level() in (0, 1)
-    fn = cpu_gemm.bind(lib)
-    x, w, y = torch.randn(2, 8), torch.randn(3, 8), torch.full((2, 3), 7.0)
-    for ldx, ldw, ldy in ((7, 8, 3), (8, 7, 3), (8, 8, 2)):
-        assert fn(x.data_ptr(), ldx, w.data_ptr(), ldw, None, y.data_ptr(), ldy, 2, 3, 8, 1) == -1
+    assert lib.packed_gemm_simd_level() in (0, 1)
+    kernel = cpu_gemm.bind(lib)
+    x, y = torch.randn(2, 8), torch.full((2, 3), 7.0)
+    packed = cpu_gemm.pack(torch.randn(3, 8)).data
+    assert kernel.pack(x.data_ptr(), 7, 2, 8, y.data_ptr()) == -1  # ldw < K
+    for ldx, ldy in ((7, 3), (8, 2)):
+        assert kernel.linear(x.data_ptr(), ldx, packed.data_ptr(), None, y.data_ptr(), ldy,
+                             2, 3, 8, 1) == -1  # fmt: skip
     assert (y == 7).all()  # nothing written
 
 
@@ -158,7 +178,7 @@ def test_builds_into_cache_dir_once(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     assert cpu_gemm.available()
     path = cpu_gemm.library_path()
-    assert path.parent == tmp_path / "kernels" and path.name.startswith("small_gemm-")
+    assert path.parent == tmp_path / "kernels" and path.name.startswith("packed_gemm-")
     mtime = path.stat().st_mtime_ns
     assert cpu_gemm.library_path() == path and path.stat().st_mtime_ns == mtime
     assert [p.name for p in path.parent.iterdir()] == [path.name]

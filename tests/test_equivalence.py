@@ -85,3 +85,25 @@ def test_preemption_recomputes_exactly(model_dir):
     assert engine.scheduler.num_preemptions > 0
     assert_matches_hf(model_dir, prompts, outs)
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_torch_path_without_c_kernels(model_dir, monkeypatch):
+    """The portable forward pass (no packed GEMM, no fused ops: what CUDA, bf16 and a
+    machine without gcc run) matches too, on the same chunked, batched workload."""
+    from common.config import ModelConfig
+    from common.engine.setup import load_model
+    from common.model.llama import LlamaModel
+
+    monkeypatch.setattr(LlamaModel, "use_cpu_kernels", lambda self: [])
+    loaded = load_model(ModelConfig(path=str(model_dir)))
+    assert loaded.model.cpu_kernels == []
+    engine = make_engine(model_dir, max_num_batched_tokens=32, loaded=loaded)
+    prompts = prompts_of(engine, [3, 50, 21], seed=6)
+    assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))
+
+
+def test_engine_uses_the_c_kernels(model_dir):
+    """On this CPU in float32 the default path is the packed GEMM and the fused ops, so
+    every other test here checks them against transformers."""
+    engine = make_engine(model_dir)
+    assert engine.loaded.model.cpu_kernels == ["packed GEMM", "fused ops"]

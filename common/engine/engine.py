@@ -104,6 +104,7 @@ class Engine:
         p = self.cache_plan
         return (f"model {self.loaded.name}: {self.spec.num_params() / 1e6:.1f}M params, "
                 f"{self.loaded.dtype}, {self.runner.device}, attention {self.loaded.backend.name}, "
+                f"C kernels: {', '.join(self.loaded.model.cpu_kernels) or 'none'}, "
                 f"{torch.get_num_threads()} threads; KV cache {p.num_blocks} blocks x "
                 f"{self.config.cache.block_size} tokens = {p.num_tokens} tokens "
                 f"({p.nbytes / 2**30:.2f} GiB); max model len {self.max_model_len}")

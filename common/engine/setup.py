@@ -78,6 +78,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     max_len = _max_model_len(spec, cfg.max_model_len)
     model = LlamaModel(spec, max_len, dtype, device)
     load_weights(model, source.directory)
+    model.use_cpu_kernels()
     return LoadedModel(cfg.served_name or source.name, spec, model.eval(),
                        Tokenizer.maybe_load(source.directory), dtype, select_backend(device), max_len)
 

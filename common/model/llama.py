@@ -3,41 +3,43 @@
 The forward pass takes a step's tokens flattened into one batch (no padding), so GEMMs
 see every token of every sequence at once; only attention cares where one sequence ends
 and the next begins, and that is the attention backend's business (``kernels.attention``).
-Projections are fused (q|k|v and gate|up) to halve the number of GEMM launches.
+Projections are fused (q|k|v and gate|up) to halve the number of GEMM launches. On a
+CPU in float32 ``use_cpu_kernels()`` repacks every projection once for our GEMM kernel
+(``kernels/cpu/packed_gemm.c``: 1.1-1.9x MKL here, most at decode batch sizes), frees the
+originals, and fuses the elementwise steps (``kernels/cpu/fused_ops.c``: residual add +
+RMSNorm, RoPE, SiLU x up) into one pass each.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from common.model.spec import ModelSpec
+from kernels import cpu_gemm, cpu_ops
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.cpu_gemm import PackedWeight
 
 # Below this many rows, MKL computes ``weight @ x.T`` faster than ``x @ weight.T`` on this
 # class of CPU (measured: 1.5-2.5x at 2-4 rows, 1.2x at 64 with 2 threads, even at 256),
 # so small batches get the transposed product; its result is a transposed view, which
 # every op here accepts. A single row with several threads goes through MKL's GEMV,
 # slower than its GEMM on two rows (1.1-1.3x), so it is duplicated; with one thread the
-# plain product is best for a single row.
+# plain product is best for a single row. (Only without the packed kernel, see below.)
 SMALL_BATCH_ROWS = 256
 
 
-# Up to this many rows our own kernel (kernels/cpu/small_gemm.c) reads every weight once,
-# in place, and beats MKL by 1.2-2.7x (1.1-1.9x for one row); past ~96 rows MKL wins.
-FUSED_GEMM_ROWS = 64
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, K], weight: [N, K] → [T, N]."""
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, K], weight: [N, K] (or its packed form) → [T, N]."""
+    if isinstance(weight, PackedWeight):
+        return cpu_gemm.linear(x, weight, bias)
     rows = x.shape[0]
     if x.device.type != "cpu" or rows > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
-    if rows <= FUSED_GEMM_ROWS and x.dtype == torch.float32 and _cpu_gemm is not None:
-        return _cpu_gemm(x, weight, bias)
     if rows == 1:
         if torch.get_num_threads() == 1:
             return F.linear(x, weight, bias)
@@ -45,15 +47,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         y = torch.mm(weight, x.t()).t()
     return y if bias is None else y + bias
-
-
-def _load_cpu_gemm():
-    from kernels import cpu_gemm
-
-    return cpu_gemm.linear if cpu_gemm.available() else None
-
-
-_cpu_gemm = _load_cpu_gemm()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,6 +108,30 @@ class LlamaModel(torch.nn.Module):
         self.register_buffer("rope_sin", torch.cat((-sin, sin), -1).to(device=device, dtype=dtype),
                              persistent=False)
         self.scale = s.head_dim**-0.5
+        self.packed_lm_head: PackedWeight | None = None
+        self.fused_ops = False  # see use_cpu_kernels
+
+    def use_cpu_kernels(self) -> list[str]:
+        """On a CPU in float32, with the C kernels built: repack every projection and the
+        LM head for the GEMM kernel, freeing the originals (the embedding stays: a tied
+        LM head packs a copy), and run the elementwise steps fused. Returns what it
+        enabled, for the log."""
+        if self.embed.device.type != "cpu" or self.embed.dtype != torch.float32:
+            return []
+        if self.packed_lm_head is None and cpu_gemm.available():
+            for layer in self.layers:
+                layer.pack_weights()
+            self.packed_lm_head = cpu_gemm.pack(self.lm_head)
+            if self.lm_head is not self.embed:
+                self.lm_head.data = torch.empty(0)
+        # the fused ops want contiguous rows, which the packed GEMM's outputs are
+        self.fused_ops = self.packed_lm_head is not None and cpu_ops.available()
+        return self.cpu_kernels
+
+    @property
+    def cpu_kernels(self) -> list[str]:
+        """The C kernels the forward pass uses."""
+        return ["packed GEMM"] * (self.packed_lm_head is not None) + ["fused ops"] * self.fused_ops
 
     @torch.inference_mode()
     def forward(
@@ -126,6 +143,14 @@ class LlamaModel(torch.nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
         x = F.embedding(input_ids, self.embed)
+        if self.fused_ops:
+            delta = None  # each layer's output, added into x by the next
+            positions = positions.contiguous()
+            for i, layer in enumerate(self.layers):
+                delta = layer.forward_fused(x, delta, positions, self.rope_cos, self.rope_sin,
+                                            kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend,
+                                            self.scale)  # fmt: skip
+            return x if delta is None else x.add_(delta)
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
@@ -135,7 +160,8 @@ class LlamaModel(torch.nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] of the positions to sample from → [S, vocab] fp32 logits."""
-        logits = linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), self.lm_head)
+        head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head
+        logits = linear(rms_norm(hidden, self.norm, self.spec.rms_norm_eps), head)
         return logits.float().contiguous()
 
 
@@ -153,17 +179,45 @@ class _Layer(torch.nn.Module):
         self.gate_up_bias = p(2 * s.intermediate_size) if s.mlp_bias else None
         self.down = p(s.hidden_size, s.intermediate_size)
         self.down_bias = p(s.hidden_size) if s.mlp_bias else None
+        self.packed: _PackedLayer | None = None
+
+    def pack_weights(self) -> None:
+        self.packed = _PackedLayer(*(cpu_gemm.pack(getattr(self, name)) for name in _PackedLayer._fields))
+        for name in _PackedLayer._fields:
+            getattr(self, name).data = torch.empty(0)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta, backend, scale) -> torch.Tensor:
         s = self.s
+        w = self.packed or self  # the four projections, packed or not
         num_tokens = x.shape[0]
-        qkv = linear(rms_norm(x, self.input_norm, s.rms_norm_eps), self.qkv, self.qkv_bias)
+        qkv = linear(rms_norm(x, self.input_norm, s.rms_norm_eps), w.qkv, self.qkv_bias)
         # q and k are rotated together: one pass over [T, H + KVH, D].
         qk = apply_rope(qkv[:, : s.q_size + s.kv_size].unflatten(-1, (-1, s.head_dim)), cos, sin)
         q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
         v = qkv[:, s.q_size + s.kv_size :].unflatten(-1, (s.num_kv_heads, s.head_dim))
         attn = backend.forward(q.contiguous(), k, v, k_cache, v_cache, meta, scale)
-        x = x + linear(attn.reshape(num_tokens, s.q_size), self.o, self.o_bias)
-        gate, up = linear(rms_norm(x, self.post_norm, s.rms_norm_eps), self.gate_up,
+        x = x + linear(attn.reshape(num_tokens, s.q_size), w.o, self.o_bias)
+        gate, up = linear(rms_norm(x, self.post_norm, s.rms_norm_eps), w.gate_up,
                           self.gate_up_bias).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down, self.down_bias)
+        return x + linear(F.silu(gate) * up, w.down, self.down_bias)
+
+    def forward_fused(self, x, delta, positions, cos, sin, k_cache, v_cache, meta, backend, scale):
+        """forward() by the fused CPU ops on packed weights: adds ``delta`` (the previous
+        layer's output; None for the first) into the residual stream ``x`` in place and
+        returns this layer's output. The same arithmetic as forward()."""
+        s, w = self.s, self.packed
+        h = cpu_ops.add_rms_norm(x, delta, self.input_norm, s.rms_norm_eps)
+        qkv = linear(h, w.qkv, self.qkv_bias)
+        q, k = cpu_ops.rope_qk(qkv, positions, cos, sin, s.num_heads, s.num_kv_heads)
+        v = qkv[:, s.q_size + s.kv_size :].unflatten(-1, (s.num_kv_heads, s.head_dim))
+        attn = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+        o = linear(attn.reshape(x.shape[0], s.q_size), w.o, self.o_bias)
+        h = cpu_ops.add_rms_norm(x, o, self.post_norm, s.rms_norm_eps)
+        return linear(cpu_ops.silu_mul(linear(h, w.gate_up, self.gate_up_bias)), w.down, self.down_bias)
+
+
+class _PackedLayer(NamedTuple):
+    qkv: PackedWeight
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight

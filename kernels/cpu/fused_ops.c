@@ -1,0 +1,183 @@
+/*
+ * The elementwise steps of a Llama layer, fused for the CPU: each is one pass over its
+ * rows where torch takes three to six (every intermediate a full tensor written and read
+ * back). Plain C + OpenMP, no torch headers; the loader is kernels/cpu_ops.py, the
+ * oracles the torch expressions in common/model/llama.py.
+ *
+ *   add_rms_norm  x += delta (the residual stream, in place; delta may be NULL), then
+ *                 out = x * rsqrt(mean(x^2) + eps) * weight
+ *   silu_mul      out = silu(gu[:, :I]) * gu[:, I:]  (the fused gate|up projection)
+ *   rope_qk       q, k = rotate_half RoPE of the q and k heads of a fused qkv row, with
+ *                 the cos/sin tables' rows at each token's position, into contiguous
+ *                 q [T, H, D] and k [T, KVH, D]
+ *
+ * All float32, rows strided (element strides), no -ffast-math: the same products as the
+ * torch expressions; the mean of squares and exp() differ only in rounding (a pairwise
+ * sum of 8 lanes; a polynomial exp with < 2e-7 relative error). Rows are split across
+ * threads when there are enough of them to pay for the fork.
+ *
+ * Return value: 0, or -1 for invalid sizes (nothing written).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FO_AVX2 1
+#else
+#define FO_AVX2 0
+#endif
+
+/* Elements of work below which a call stays on one thread. */
+#ifndef FO_MIN_PARALLEL
+#define FO_MIN_PARALLEL 32768
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+#if FO_AVX2
+INLINE float hsum(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x), Cephes-style range reduction and polynomial, |rel err| < 2e-7; 0 below -87.3,
+ * +inf above 88.7, NaN stays NaN. */
+INLINE __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.7f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x)); /* operand order keeps a NaN x */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^n in two factors, so that n = 128 (x near 88.7) does not overflow the exponent */
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    return _mm256_blendv_ps(_mm256_andnot_ps(under, y), _mm256_set1_ps(INFINITY), over);
+}
+#endif
+
+/* ---------------------------------------------------------------- add_rms_norm */
+
+static void add_rms_norm_row(float *x, const float *delta, const float *w, float eps,
+                             float *out, int64_t C) {
+    int64_t c = 0;
+    float ss = 0.0f;
+#if FO_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; c + 8 <= C; c += 8) {
+        __m256 v = _mm256_loadu_ps(x + c);
+        if (delta) {
+            v = _mm256_add_ps(v, _mm256_loadu_ps(delta + c));
+            _mm256_storeu_ps(x + c, v);
+        }
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    ss = hsum(acc);
+#endif
+    for (; c < C; c++) {
+        float v = x[c];
+        if (delta) x[c] = v = v + delta[c];
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(ss / (float)C + eps);
+    c = 0;
+#if FO_AVX2
+    const __m256 rv = _mm256_set1_ps(r);
+    for (; c + 8 <= C; c += 8)
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(w + c),
+                                                _mm256_mul_ps(_mm256_loadu_ps(x + c), rv)));
+#endif
+    for (; c < C; c++) out[c] = w[c] * (x[c] * r);
+}
+
+int add_rms_norm_f32(float *x, long ldx, const float *delta, long ldd, const float *weight,
+                     float eps, float *out, long ldo, long T, long C) {
+    if (T < 0 || C < 1 || ldx < C || ldo < C || (delta && ldd < C)) return -1;
+#pragma omp parallel for schedule(static) if (T * C >= FO_MIN_PARALLEL)
+    for (int64_t t = 0; t < T; t++)
+        add_rms_norm_row(x + t * ldx, delta ? delta + t * ldd : 0, weight, eps, out + t * ldo, C);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- silu_mul */
+
+static void silu_mul_row(const float *g, const float *u, float *out, int64_t I) {
+    int64_t i = 0;
+#if FO_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8(_mm256_sub_ps(zero, gv)); /* exp(-g) */
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+int silu_mul_f32(const float *gu, long ldg, float *out, long ldo, long T, long I) {
+    if (T < 0 || I < 0 || ldg < 2 * I || ldo < I) return -1;
+#pragma omp parallel for schedule(static) if (T * I >= FO_MIN_PARALLEL)
+    for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * ldg, gu + t * ldg + I, out + t * ldo, I);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- rope_qk */
+
+/* dst = src * cos + rotate_half(src) * sin for one head of D = 2 * half elements; sin
+ * already carries rotate_half's sign (-sin, sin), as in common/model/llama.py. */
+static void rope_head(const float *src, const float *cos, const float *sin, float *dst,
+                      int64_t half) {
+    int64_t i = 0;
+#if FO_AVX2
+    for (; i + 8 <= half; i += 8) {
+        const __m256 a = _mm256_loadu_ps(src + i), b = _mm256_loadu_ps(src + half + i);
+        _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(cos + i)),
+                                                _mm256_mul_ps(b, _mm256_loadu_ps(sin + i))));
+        _mm256_storeu_ps(dst + half + i,
+                         _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(cos + half + i)),
+                                       _mm256_mul_ps(a, _mm256_loadu_ps(sin + half + i))));
+    }
+#endif
+    for (; i < half; i++) {
+        const float a = src[i], b = src[half + i];
+        dst[i] = a * cos[i] + b * sin[i];
+        dst[half + i] = b * cos[half + i] + a * sin[half + i];
+    }
+}
+
+/* qkv rows [T] (stride ldq): heads 0..H-1 are q, H..H+KVH-1 are k, each D wide; cos/sin
+ * [max_pos, D]; positions [T] int64, each in [0, max_pos). */
+int rope_qk_f32(const float *qkv, long ldq, const int64_t *positions, const float *cos,
+                const float *sin, long max_pos, float *q, float *k, long T, long H, long KVH,
+                long D) {
+    if (T < 0 || H < 1 || KVH < 0 || D < 2 || D % 2 || ldq < (H + KVH) * D) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_pos) return -1;
+#pragma omp parallel for schedule(static) if (T * (H + KVH) * D >= FO_MIN_PARALLEL)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * ldq, *c = cos + positions[t] * D, *s = sin + positions[t] * D;
+        for (int64_t h = 0; h < H; h++) rope_head(row + h * D, c, s, q + (t * H + h) * D, D / 2);
+        for (int64_t h = 0; h < KVH; h++)
+            rope_head(row + (H + h) * D, c, s, k + (t * KVH + h) * D, D / 2);
+    }
+    return 0;
+}
+
+/* 1 if this build uses the AVX2+FMA path, 0 for the scalar fallback. */
+int fused_ops_simd_level(void) { return FO_AVX2; }
