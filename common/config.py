@@ -83,7 +83,9 @@ class SchedulerConfig:
     """How much work one engine step may take on."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # 512: on a CPU a step of 512 prompt tokens runs the GEMMs as fast per token as 2048
+    # (measured), and a burst of prompts gets its first tokens 4x more finely spread.
+    max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:

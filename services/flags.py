@@ -46,7 +46,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    default=env_bool("enable_chunked_prefill", True))
     g.add_argument("--max-num-seqs", type=int, default=int(env_default("max_num_seqs", 256)))
     g.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(env_default("max_num_batched_tokens", 2048)),
+                   default=int(env_default("max_num_batched_tokens", 512)),
                    help="token budget of one engine step (prefill chunks + decodes)")
     g.add_argument("--threads", type=int, default=env_default("threads"),
                    help="torch threads (default: every CPU this process may use)")
