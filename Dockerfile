@@ -15,7 +15,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TRANSFORMERS_VERBOSITY=error \
     TANDEM_CACHE_DIR=/opt/tandem-cache
 
-# gcc (with libc headers and libgomp) builds the CPU attention kernel on first use
+# gcc (with libc headers and libgomp) builds the CPU kernels (GEMM, attention, elementwise) on first use
 # (gcc -fopenmp, into $TANDEM_CACHE_DIR/kernels); without gcc Tandem falls back to torch.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets Tandem up on a fresh machine: a virtual environment in .venv holding Tandem, its
 # dependencies and the default model (SmolLM2-135M-Instruct, converted once to fp32
-# safetensors), plus the compiled CPU attention kernel. `--dev` adds the test tools.
+# safetensors), plus the compiled CPU kernels. `--dev` adds the test tools.
 # Safe to rerun: finished steps are quick no-ops.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -27,7 +27,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from common.model.loader import resolve_model
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_gemm, cpu_ops
 print("tandem: default model at", resolve_model(None).directory)
-print("tandem: CPU decode kernel", "ready" if cpu_attention.available() else "unavailable (torch fallback)")
+for name, kernel in (("attention", cpu_attention), ("GEMM", cpu_gemm), ("elementwise", cpu_ops)):
+    print(f"tandem: CPU {name} kernel", "ready" if kernel.available() else "unavailable (torch fallback)")
 PY

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch  # must be loaded before the kernel library, see kernels.cpu_build
 
-from kernels import cpu_build
+from kernels import cpu_build, cpu_memory
 
 SOURCE = Path(__file__).parent / "cpu" / "packed_gemm.c"
 CFLAGS = cpu_build.CFLAGS
@@ -109,8 +109,9 @@ class PackedWeight:
         return f"PackedWeight(shape={self.shape})"
 
 
-def pack(weight: torch.Tensor) -> PackedWeight:
-    """``weight`` [N, K] (CPU float32, rows contiguous) repacked for ``linear``."""
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> PackedWeight:
+    """``weight`` [N, K] (CPU float32, rows contiguous) repacked for ``linear``, into
+    ``out`` (contiguous float32, ``packed_size(N, K)`` elements) or a new buffer."""
     kernel = _kernel()
     if weight.dim() != 2:
         raise ValueError(f"want a 2-d weight, got shape {tuple(weight.shape)}")
@@ -119,11 +120,33 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     if not _rows_contiguous(weight):
         raise ValueError(f"weight rows must be contiguous, got strides {weight.stride()}")
     n, k = weight.shape
-    data = torch.empty(int(kernel.packed_size(n, k)), dtype=_f32)
+    size = packed_size(n, k)
+    if out is None:
+        out = torch.empty(size, dtype=_f32)
+    elif out.dtype is not _f32 or out.numel() != size or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of {size} elements")
     ldw = weight.stride(0) if n > 1 else k
-    if kernel.pack(weight.data_ptr(), max(ldw, k), n, k, data.data_ptr()) != 0:
+    if kernel.pack(weight.data_ptr(), max(ldw, k), n, k, out.data_ptr()) != 0:
         raise ValueError("CPU GEMM kernel rejected the weight's sizes or strides")
-    return PackedWeight(data, (n, k))
+    return PackedWeight(out.view(-1), (n, k))
+
+
+def pack_all(weights: list[torch.Tensor]) -> list[PackedWeight]:
+    """Each weight packed, all into one buffer on huge pages (``kernels.cpu_memory``):
+    a model's weights are streamed every step, and one 2 MiB-aligned arena keeps their
+    page-table footprint small without wasting a huge page per weight."""
+    sizes = [packed_size(*w.shape) if w.dim() == 2 else 0 for w in weights]
+    arena = cpu_memory.empty((sum(sizes),), _f32)
+    packed, at = [], 0
+    for w, size in zip(weights, sizes, strict=True):
+        packed.append(pack(w, arena[at : at + size]))
+        at += size
+    return packed
+
+
+def packed_size(n: int, k: int) -> int:
+    """Floats of the packed form of an [n, k] weight (whole 16-column panels)."""
+    return -(-n // 16) * 16 * k
 
 
 def _kernel() -> Kernel:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_gemm
+from kernels import cpu_build, cpu_gemm, cpu_memory
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -182,3 +182,20 @@ def test_builds_into_cache_dir_once(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     mtime = path.stat().st_mtime_ns
     assert cpu_gemm.library_path() == path and path.stat().st_mtime_ns == mtime
     assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_pack_all_shares_one_aligned_arena() -> None:
+    ws = [torch.randn(n, k) for n, k in ((960, 576), (7, 5), (3072, 576))]
+    packed = cpu_gemm.pack_all(ws)
+    storage = packed[0].data.untyped_storage().data_ptr()
+    assert all(p.data.untyped_storage().data_ptr() == storage for p in packed)
+    assert [p.data.numel() for p in packed] == [cpu_gemm.packed_size(*w.shape) for w in ws]
+    assert packed[0].data.data_ptr() % cpu_memory.HUGE_PAGE == 0  # the arena exceeds 2 MiB
+    for w, p in zip(ws, packed, strict=True):
+        x = torch.randn(3, w.shape[1])
+        assert_matches(cpu_gemm.linear(x, p), reference(x, w, None))
+
+
+def test_pack_into_a_wrong_buffer_is_refused() -> None:
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_gemm.pack(torch.randn(4, 3), torch.empty(5))

@@ -18,6 +18,7 @@ from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import Sequence
 from common.engine.scheduler import ScheduledChunk, SchedulerOutput
 from common.model.llama import LlamaModel
+from kernels import cpu_memory
 from kernels.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 
 
@@ -43,8 +44,11 @@ class ModelRunner:
         self.model, self.kv, self.backend = model, kv, backend
         self.device = model.embed.device
         self.block_size = kv.block_size
-        self.kv_cache = torch.zeros(num_blocks, s.num_layers, 2, kv.block_size, s.num_kv_heads,
-                                    s.head_dim, dtype=cache_dtype, device=self.device)
+        shape = (num_blocks, s.num_layers, 2, kv.block_size, s.num_kv_heads, s.head_dim)
+        if self.device.type == "cpu":  # read in scattered blocks: huge pages spare the TLB
+            self.kv_cache = cpu_memory.zeros(shape, cache_dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
 
     @property
     def block_nbytes(self) -> int:

@@ -119,9 +119,14 @@ class LlamaModel(torch.nn.Module):
         if self.embed.device.type != "cpu" or self.embed.dtype != torch.float32:
             return []
         if self.packed_lm_head is None and cpu_gemm.available():
-            for layer in self.layers:
-                layer.pack_weights()
-            self.packed_lm_head = cpu_gemm.pack(self.lm_head)
+            names = _PackedLayer._fields
+            packed = cpu_gemm.pack_all([getattr(layer, n) for layer in self.layers for n in names]
+                                       + [self.lm_head])  # fmt: skip
+            for i, layer in enumerate(self.layers):
+                layer.packed = _PackedLayer(*packed[i * len(names) : (i + 1) * len(names)])
+                for name in names:
+                    getattr(layer, name).data = torch.empty(0)
+            self.packed_lm_head = packed[-1]
             if self.lm_head is not self.embed:
                 self.lm_head.data = torch.empty(0)
         # the fused ops want contiguous rows, which the packed GEMM's outputs are
@@ -180,11 +185,6 @@ class _Layer(torch.nn.Module):
         self.down = p(s.hidden_size, s.intermediate_size)
         self.down_bias = p(s.hidden_size) if s.mlp_bias else None
         self.packed: _PackedLayer | None = None
-
-    def pack_weights(self) -> None:
-        self.packed = _PackedLayer(*(cpu_gemm.pack(getattr(self, name)) for name in _PackedLayer._fields))
-        for name in _PackedLayer._fields:
-            getattr(self, name).data = torch.empty(0)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta, backend, scale) -> torch.Tensor:
         s = self.s
