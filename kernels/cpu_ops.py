@@ -145,7 +145,8 @@ def rope_qk(
         raise ValueError("cos and sin must be contiguous tables of one shape")
     if cos.dtype is not _f32 or sin.dtype is not _f32:
         raise ValueError("cos and sin must be float32")
-    if positions.dtype is not torch.int64 or positions.shape != (t,) or not positions.is_contiguous():
+    if (positions.dtype is not torch.int64 or positions.shape != (t,)
+            or not positions.is_contiguous()):
         raise ValueError(f"positions must be a contiguous int64 ({t},) tensor")
     if qkv.shape[1] < (num_heads + num_kv_heads) * d:
         raise ValueError(f"qkv rows hold {qkv.shape[1]} values, fewer than "

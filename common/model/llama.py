@@ -33,7 +33,8 @@ from kernels.cpu_gemm import PackedWeight
 SMALL_BATCH_ROWS = 256
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, K], weight: [N, K] (or its packed form) → [T, N]."""
     if isinstance(weight, PackedWeight):
         return cpu_gemm.linear(x, weight, bias)
@@ -213,7 +214,8 @@ class _Layer(torch.nn.Module):
         attn = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
         o = linear(attn.reshape(x.shape[0], s.q_size), w.o, self.o_bias)
         h = cpu_ops.add_rms_norm(x, o, self.post_norm, s.rms_norm_eps)
-        return linear(cpu_ops.silu_mul(linear(h, w.gate_up, self.gate_up_bias)), w.down, self.down_bias)
+        act = cpu_ops.silu_mul(linear(h, w.gate_up, self.gate_up_bias))
+        return linear(act, w.down, self.down_bias)
 
 
 class _PackedLayer(NamedTuple):
