@@ -39,8 +39,6 @@ _ARGTYPES = [
     ctypes.c_float, _ptr, _i32,  # scale, out, num_threads
 ]  # fmt: skip
 
-_functions: dict[torch.dtype, ctypes._CFuncPtr | None] = {}  # None: could not build
-_reasons: dict[torch.dtype, str] = {}
 
 
 def build_flags(dtype: torch.dtype) -> tuple[str, ...]:
@@ -65,12 +63,7 @@ def _open(dtype: torch.dtype) -> ctypes._CFuncPtr:
     return bind(cpu_build.load(library_path(dtype), "CPU attention kernel"), dtype)
 
 
-def _function(dtype: torch.dtype) -> ctypes._CFuncPtr | None:
-    if dtype in _functions:  # the per-call fast path: no lock
-        return _functions[dtype]
-    return cpu_build.load_once(
-        _functions, _reasons, dtype, lambda: _open(dtype), "CPU paged attention kernel"
-    )
+_loader = cpu_build.Loader("CPU paged attention kernel", _open)  # one variant per dtype
 
 
 def available(cache_dtype: torch.dtype = torch.float32) -> bool:
@@ -78,15 +71,14 @@ def available(cache_dtype: torch.dtype = torch.float32) -> bool:
 
     Compiles on the first call for each dtype (about a second), then answers from memory.
     """
-    return cache_dtype in _DTYPES and _function(cache_dtype) is not None
+    return cache_dtype in _DTYPES and _loader.get(cache_dtype) is not None
 
 
 def unavailable_reason(cache_dtype: torch.dtype = torch.float32) -> str | None:
     """Why ``available(cache_dtype)`` is False, else None."""
     if cache_dtype not in _DTYPES:
         return f"no kernel for {cache_dtype} caches"
-    _function(cache_dtype)
-    return _reasons.get(cache_dtype)
+    return _loader.reason(cache_dtype)
 
 
 def _check_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -166,9 +158,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [B, H, D] float32
     """Fused ``kernels.reference.paged_decode_attention`` (see there for the semantics)."""
     _check_cache(q, k_cache, v_cache)
-    fn = _function(k_cache.dtype)
-    if fn is None:
-        raise RuntimeError(f"CPU paged attention kernel unavailable: {_reasons[k_cache.dtype]}")
+    fn = _loader.require(k_cache.dtype)
     block_tables = _as_int32_rows(block_tables, "block_tables", 2)
     context_lens = _as_int32_rows(context_lens, "context_lens", 1)
     batch, heads, dim = q.shape

@@ -12,9 +12,9 @@ half-written library. torch is imported before any library is loaded so that the
 library's ``libgomp.so.1`` dependency binds to the libgomp torch already mapped: one
 OpenMP runtime and thread pool for torch and the kernels (``openmp_runtimes`` checks).
 
-``load_once`` is the availability mechanism: it opens a kernel variant once per process
-and remembers either the function or why it could not be built, so callers can fall back
-to torch.
+``Loader`` is the availability mechanism: it opens a kernel variant once per process and
+remembers either its entry points or why they could not be built, so callers can fall
+back to torch.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch  # noqa: F401  (must be loaded before the kernel libraries, see the docstring)
 
@@ -47,6 +47,7 @@ _OPENMP_LIB = re.compile(r"\S*/lib(?:gomp|iomp5|omp)\b[^/\s]*\.so[^/\s]*")
 _lock = threading.RLock()
 
 F = TypeVar("F")
+K = TypeVar("K", bound=Hashable)
 
 
 def cache_dir() -> Path:
@@ -112,13 +113,24 @@ def compile_library(
             os.unlink(tmp)
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_text(source: Path) -> str:
+    """The C file followed by every local header it includes (``#include "x.h"``, beside
+    it), so that editing a shared header changes the build key of each kernel using it."""
+    text = source.read_text()
+    headers = (source.parent / name for name in _LOCAL_INCLUDE.findall(text))
+    return "\0".join([text, *(h.read_text() for h in headers)])
+
+
 def library_path(
     source: Path, name: str, flags: tuple[str, ...] = CFLAGS, libs: tuple[str, ...] = LIBS
 ) -> Path:
     """``<cache_dir>/<name>-<key>.so``, the build of ``source`` with ``flags`` for this
     compiler and CPU, compiled first if absent."""
     cc = find_compiler()
-    key = build_key(source.read_text(), compiler_version(cc), flags, libs)
+    key = build_key(source_text(source), compiler_version(cc), flags, libs)
     path = cache_dir() / f"{name}-{key}.so"
     if not path.exists():
         compile_library(cc, source, flags, path, libs)
@@ -143,27 +155,45 @@ def load(path: Path, what: str) -> ctypes.CDLL:
     return lib
 
 
-def load_once(
-    functions: dict[Hashable, F | None],
-    reasons: dict[Hashable, str],
-    key: Hashable,
-    opener: Callable[[], F],
-    what: str,
-) -> F | None:
-    """``functions[key]``, calling ``opener()`` the first time (under a lock).
+class Loader(Generic[K, F]):
+    """Opens a kernel's library once per process and variant ``key``, and remembers
+    either the entry points or why they could not be built.
 
-    A build or load failure is remembered as ``functions[key] = None`` with its text in
-    ``reasons[key]``, and not retried. The caller owns both dicts (tests swap them to
-    simulate a fresh process) and should check ``key in functions`` itself first: that
-    per-call fast path needs no lock.
-    """
-    if key in functions:
-        return functions[key]
-    with _lock:
-        if key not in functions:
-            try:
-                functions[key] = opener()
-            except BUILD_ERRORS as exc:
-                functions[key], reasons[key] = None, f"{type(exc).__name__}: {exc}"
-                log.debug("%s unavailable: %s", what, reasons[key])
-    return functions[key]
+    ``get(key)`` calls ``opener(key)`` the first time (under a lock); a build or load
+    failure is remembered as None with its text in ``reason(key)``, and not retried. The
+    per-call fast path (already opened) takes no lock. ``reset()`` forgets everything, as
+    in a fresh process (for tests)."""
+
+    def __init__(self, what: str, opener: Callable[[K], F]) -> None:
+        self.what, self._opener = what, opener
+        self._entries: dict[K, F | None] = {}
+        self._reasons: dict[K, str] = {}
+
+    def get(self, key: K) -> F | None:
+        entries = self._entries
+        if key in entries:
+            return entries[key]
+        with _lock:
+            if key not in entries:
+                try:
+                    entries[key] = self._opener(key)
+                except BUILD_ERRORS as exc:
+                    entries[key], self._reasons[key] = None, f"{type(exc).__name__}: {exc}"
+                    log.debug("%s unavailable: %s", self.what, self._reasons[key])
+        return entries[key]
+
+    def require(self, key: K) -> F:
+        """``get(key)``, or RuntimeError saying why the kernel is unavailable."""
+        entry = self.get(key)
+        if entry is None:
+            raise RuntimeError(f"{self.what} unavailable: {self._reasons[key]}")
+        return entry
+
+    def reason(self, key: K) -> str | None:
+        """Why ``get(key)`` is None, else None (opens the library first if need be)."""
+        self.get(key)
+        return self._reasons.get(key)
+
+    def reset(self) -> None:
+        self._entries.clear()
+        self._reasons.clear()

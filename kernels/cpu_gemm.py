@@ -25,10 +25,6 @@ CFLAGS = cpu_build.CFLAGS
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # packed_linear_f32(x, ldx, packed, bias_or_null, y, ldy, M, N, K, num_threads) -> int
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]
-_KEY = "f32"
-
-_functions: dict[str, Kernel | None] = {}  # None: could not build
-_reasons: dict[str, str] = {}
 _f32 = torch.float32
 
 
@@ -54,26 +50,21 @@ def bind(lib: ctypes.CDLL) -> Kernel:
     return k
 
 
-def _open() -> Kernel:
+def _open(_variant: None) -> Kernel:
     return bind(cpu_build.load(library_path(), "CPU GEMM kernel"))
 
 
-def _function() -> Kernel | None:
-    fn = _functions.get(_KEY, _functions)  # the per-call fast path: no lock
-    if fn is not _functions:
-        return fn
-    return cpu_build.load_once(_functions, _reasons, _KEY, _open, "CPU GEMM kernel")
+_loader = cpu_build.Loader("CPU GEMM kernel", _open)  # one variant: key None
 
 
 def available() -> bool:
     """Whether the kernel could be built and loaded (compiles on the first call)."""
-    return _function() is not None
+    return _loader.get(None) is not None
 
 
 def unavailable_reason() -> str | None:
     """Why ``available()`` is False, else None."""
-    _function()
-    return _reasons.get(_KEY)
+    return _loader.reason(None)
 
 
 def _check(x: torch.Tensor, k: int) -> None:
@@ -112,7 +103,7 @@ class PackedWeight:
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> PackedWeight:
     """``weight`` [N, K] (CPU float32, rows contiguous) repacked for ``linear``, into
     ``out`` (contiguous float32, ``packed_size(N, K)`` elements) or a new buffer."""
-    kernel = _kernel()
+    kernel = _loader.require(None)
     if weight.dim() != 2:
         raise ValueError(f"want a 2-d weight, got shape {tuple(weight.shape)}")
     if weight.dtype is not _f32 or not weight.is_cpu:
@@ -149,13 +140,6 @@ def packed_size(n: int, k: int) -> int:
     return -(-n // 16) * 16 * k
 
 
-def _kernel() -> Kernel:
-    kernel = _functions.get(_KEY) or _function()
-    if kernel is None:
-        raise RuntimeError(f"CPU GEMM kernel unavailable: {_reasons[_KEY]}")
-    return kernel
-
-
 def linear(
     x: torch.Tensor,  # [M, K] float32; rows may be strided if each row is contiguous
     weight: PackedWeight | torch.Tensor,  # packed [N, K], or an nn.Linear weight to pack now
@@ -169,7 +153,7 @@ def linear(
 
     Called once per projection per step, so the common case (contiguous float32 CPU
     operands) is checked with as few tensor attribute reads as possible."""
-    kernel = _kernel()
+    kernel = _loader.require(None)
     packed = weight if isinstance(weight, PackedWeight) else pack(weight)
     n, k = packed.shape
     if not (x.dtype is _f32 and x.dim() == 2 and x.shape[1] == k and x.is_cpu):

@@ -21,7 +21,6 @@ SOURCE = Path(__file__).parent / "cpu" / "fused_ops.c"
 CFLAGS = (*cpu_build.CFLAGS, "-ffp-contract=off")
 
 _i64, _ptr, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_KEY = "f32"
 _f32 = torch.float32
 
 
@@ -29,10 +28,6 @@ class Kernel(NamedTuple):
     add_rms_norm: ctypes._CFuncPtr
     silu_mul: ctypes._CFuncPtr
     rope_qk: ctypes._CFuncPtr
-
-
-_functions: dict[str, Kernel | None] = {}  # None: could not build
-_reasons: dict[str, str] = {}
 
 
 def library_path() -> Path:
@@ -54,33 +49,21 @@ def bind(lib: ctypes.CDLL) -> Kernel:
     return k
 
 
-def _open() -> Kernel:
+def _open(_variant: None) -> Kernel:
     return bind(cpu_build.load(library_path(), "fused CPU ops"))
 
 
-def _function() -> Kernel | None:
-    fn = _functions.get(_KEY, _functions)  # the per-call fast path: no lock
-    if fn is not _functions:
-        return fn
-    return cpu_build.load_once(_functions, _reasons, _KEY, _open, "fused CPU ops")
+_loader = cpu_build.Loader("fused CPU ops", _open)  # one variant: key None
 
 
 def available() -> bool:
     """Whether the kernels could be built and loaded (compiles on the first call)."""
-    return _function() is not None
+    return _loader.get(None) is not None
 
 
 def unavailable_reason() -> str | None:
     """Why ``available()`` is False, else None."""
-    _function()
-    return _reasons.get(_KEY)
-
-
-def _kernel() -> Kernel:
-    kernel = _functions.get(_KEY) or _function()
-    if kernel is None:
-        raise RuntimeError(f"fused CPU ops unavailable: {_reasons[_KEY]}")
-    return kernel
+    return _loader.reason(None)
 
 
 def _rows(t: torch.Tensor, name: str, cols: int | None = None) -> int:
@@ -99,9 +82,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                  eps: float) -> torch.Tensor:
     """``x += delta`` in place (skipped for None), then ``rms_norm(x) * weight`` as a new
     [T, C] tensor. x, delta: [T, C] with contiguous rows; weight [C] contiguous."""
-    kernel = _kernel()
-    t, c = x.shape if x.dim() == 2 else (0, 0)
+    kernel = _loader.require(None)
     ldx = _rows(x, "x")
+    t, c = x.shape
     ldd = 0 if delta is None else _rows(delta, "delta", c)
     if delta is not None and delta.shape[0] != t:
         raise ValueError(f"delta has {delta.shape[0]} rows, x {t}")
@@ -117,7 +100,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate_up[:, :I]) * gate_up[:, I:]`` for [T, 2I] ``gate_up`` → [T, I]."""
-    kernel = _kernel()
+    kernel = _loader.require(None)
     ldg = _rows(gate_up, "gate_up")
     t, two_i = gate_up.shape
     if two_i % 2:
@@ -137,7 +120,7 @@ def rope_qk(
     num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, KVH, D], contiguous
     """Rotary embedding of the q and k heads of fused qkv rows (``apply_rope``)."""
-    kernel = _kernel()
+    kernel = _loader.require(None)
     ldq = _rows(qkv, "qkv")
     max_pos, d = cos.shape
     t = qkv.shape[0]

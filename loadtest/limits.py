@@ -31,14 +31,7 @@ def gemm_gflops(spec: ModelSpec, rows: int = 64) -> float:
     The same shapes as the peers' ``phys_limit.py`` (64 x hidden x intermediate, its
     transpose, and the LM head), so fractions compare with the figures quoted for vLLM.
     """
-    shapes = [(spec.hidden_size, spec.intermediate_size), (spec.intermediate_size, spec.hidden_size),
-              (spec.hidden_size, spec.vocab_size)]
-    best = 0.0
-    for k, n in shapes:
-        a, b = torch.randn(rows, k), torch.randn(n, k)
-        seconds = _best_seconds(lambda a=a, b=b: torch.nn.functional.linear(a, b))
-        best = max(best, 2.0 * rows * k * n / seconds / 1e9)
-    return best
+    return _best_gflops(spec, rows, lambda w: w, torch.nn.functional.linear)
 
 
 def kernel_gemm_gflops(spec: ModelSpec, rows: int = 64) -> float | None:
@@ -50,12 +43,17 @@ def kernel_gemm_gflops(spec: ModelSpec, rows: int = 64) -> float | None:
 
     if not cpu_gemm.available():
         return None
+    return _best_gflops(spec, rows, cpu_gemm.pack, cpu_gemm.linear)
+
+
+def _best_gflops(spec: ModelSpec, rows: int, prepare: Callable, product: Callable) -> float:
+    """Best rate of ``product(x, prepare(w))`` over the shapes of ``gemm_gflops``."""
     shapes = [(spec.hidden_size, spec.intermediate_size), (spec.intermediate_size, spec.hidden_size),
               (spec.hidden_size, spec.vocab_size)]
     best = 0.0
     for k, n in shapes:
-        a, b = torch.randn(rows, k), cpu_gemm.pack(torch.randn(n, k))
-        seconds = _best_seconds(lambda a=a, b=b: cpu_gemm.linear(a, b))
+        a, b = torch.randn(rows, k), prepare(torch.randn(n, k))
+        seconds = _best_seconds(lambda a=a, b=b: product(a, b))
         best = max(best, 2.0 * rows * k * n / seconds / 1e9)
     return best
 

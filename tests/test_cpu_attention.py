@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -203,10 +204,11 @@ def test_one_openmp_runtime_shared_with_torch() -> None:
 
 
 @pytest.fixture
-def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+def fresh_loader() -> Iterator[None]:
     """The loader as in a new process: nothing built or loaded yet."""
-    monkeypatch.setattr(cpu_attention, "_functions", {})
-    monkeypatch.setattr(cpu_attention, "_reasons", {})
+    cpu_attention._loader.reset()
+    yield
+    cpu_attention._loader.reset()  # what the test built or failed to build is not the real state
 
 
 @pytest.mark.usefixtures("fresh_loader")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -158,10 +159,11 @@ def test_simd_build_and_rejected_strides() -> None:
 
 
 @pytest.fixture
-def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+def fresh_loader() -> Iterator[None]:
     """The loader as in a new process: nothing built or loaded yet."""
-    monkeypatch.setattr(cpu_gemm, "_functions", {})
-    monkeypatch.setattr(cpu_gemm, "_reasons", {})
+    cpu_gemm._loader.reset()
+    yield
+    cpu_gemm._loader.reset()  # what the test built or failed to build is not the real state
 
 
 @pytest.mark.usefixtures("fresh_loader")
@@ -199,3 +201,14 @@ def test_pack_all_shares_one_aligned_arena() -> None:
 def test_pack_into_a_wrong_buffer_is_refused() -> None:
     with pytest.raises(ValueError, match="out must be"):
         cpu_gemm.pack(torch.randn(4, 3), torch.empty(5))
+
+
+def test_build_key_covers_included_headers(tmp_path: Path) -> None:
+    """A kernel includes kernels/cpu/simd.h: editing the header must rebuild it."""
+    (tmp_path / "shared.h").write_text("static int x;\n")
+    source = tmp_path / "kernel.c"
+    source.write_text('#include <math.h>\n#include "shared.h"\nint f(void) { return x; }\n')
+    before = cpu_build.source_text(source)
+    (tmp_path / "shared.h").write_text("static int x = 1;\n")
+    assert cpu_build.source_text(source) != before
+    assert "static int x = 1;" in cpu_build.source_text(source)

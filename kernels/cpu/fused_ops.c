@@ -13,7 +13,7 @@
  *
  * All float32, rows strided (element strides), no -ffast-math: the same products as the
  * torch expressions; the mean of squares and exp() differ only in rounding (a pairwise
- * sum of 8 lanes; a polynomial exp with < 2e-7 relative error). Rows are split across
+ * sum of 8 lanes; simd.h's polynomial exp with < 2e-7 relative error). Rows are split across
  * threads when there are enough of them to pay for the fork.
  *
  * Return value: 0, or -1 for invalid sizes (nothing written).
@@ -33,43 +33,7 @@
 #define FO_MIN_PARALLEL 32768
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
-
-#if FO_AVX2
-INLINE float hsum(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* exp(x), Cephes-style range reduction and polynomial, |rel err| < 2e-7; 0 below -87.3,
- * +inf above 88.7, NaN stays NaN. */
-INLINE __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.7f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
-    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x)); /* operand order keeps a NaN x */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    /* 2^n in two factors, so that n = 128 (x near 88.7) does not overflow the exponent */
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
-    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-    return _mm256_blendv_ps(_mm256_andnot_ps(under, y), _mm256_set1_ps(INFINITY), over);
-}
-#endif
+#include "simd.h" /* INLINE, hsum1, exp8 */
 
 /* ---------------------------------------------------------------- add_rms_norm */
 
@@ -87,7 +51,7 @@ static void add_rms_norm_row(float *x, const float *delta, const float *w, float
         }
         acc = _mm256_fmadd_ps(v, v, acc);
     }
-    ss = hsum(acc);
+    ss = hsum1(acc);
 #endif
     for (; c < C; c++) {
         float v = x[c];
