@@ -18,5 +18,5 @@ class InvalidRequestError(ValueError):
 
 
 class PromptTooLongError(InvalidRequestError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, param="messages", code="context_length_exceeded")
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -32,8 +34,6 @@ class RequestMetrics:
                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Request latency",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("tandem:request_queue_time_seconds", "Time waiting before running",
-                               buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", registry=r)
         self.success = Counter("tandem:request_success", "Finished requests",
@@ -61,13 +61,24 @@ class EngineMetrics(RequestMetrics):
                                     "Send to ack of one KV transfer", buckets=LATENCY_BUCKETS, registry=r)
         self.kv_failures = Counter("tandem:kv_transfer_failures", "KV transfers that failed",
                                    ["reason"], registry=r)
+        self.handler_errors = Counter("tandem:worker_handler_errors",
+                                      "Messages or requests whose handling failed (the worker "
+                                      "went on)", ["handler"], registry=r)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceHealth:
+    """What ``/health`` answers: 200 with ``detail`` when ``ok``, else 503."""
+
+    ok: bool
+    detail: dict[str, Any]
 
 
 class MetricsServer:
     """``/metrics`` (Prometheus text) and ``/health`` (JSON) on a daemon thread."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 health: Callable[[], tuple[bool, dict]]) -> None:
+                 health: Callable[[], ServiceHealth]) -> None:
         handler = _handler(registry, health)
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
@@ -84,14 +95,14 @@ class MetricsServer:
         self._server.server_close()
 
 
-def _handler(registry: CollectorRegistry, health: Callable[[], tuple[bool, dict]]):
+def _handler(registry: CollectorRegistry, health: Callable[[], ServiceHealth]):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
             if self.path.startswith("/metrics"):
                 self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))
             elif self.path.startswith("/health"):
-                ok, detail = health()
-                self._reply(200 if ok else 503, "application/json", json.dumps(detail).encode())
+                h = health()
+                self._reply(200 if h.ok else 503, "application/json", json.dumps(h.detail).encode())
             else:
                 self._reply(404, "text/plain", b"not found\n")
 

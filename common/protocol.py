@@ -1,66 +1,34 @@
 """Every message that crosses a socket between Tandem processes.
 
-A message is a frozen dataclass registered under a tag with a version. On the wire it is
-the msgpack array ``[tag, version, field values in declaration order]``; tensors never go
-inside it — KV blocks travel as separate raw frames after the header (see
-``common/connector``). ``decode`` bounds the size, rejects unknown tags and versions, and
-checks every field's type, so a malformed peer gets a ``ProtocolError``, never a crash
-somewhere downstream. No pickle anywhere.
+Each is a frozen dataclass registered under a tag and version (``common.wire`` is the
+codec: msgpack arrays, typed fields, size bound, unknown tags rejected). Tensors never
+go inside a message: KV blocks travel as raw frames after a ``KVHandoff`` header (see
+``common/connector``). A message checks its own consistency in ``__post_init__``, so an
+inconsistent peer is refused with a ``ProtocolError`` where its bytes are decoded.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
 
-import msgpack
-
+from common.outputs import FinishReason, TokenLogprob
+from common.roles import FinishStage, WorkerRole
 from common.sampling_params import SamplingParams
+from common.wire import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode, message
+from common.wire import require as _require
 
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # a header; a 100k-token prompt is ~500 KB
-
-
-class ProtocolError(ValueError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    TAG: ClassVar[str] = ""
-    VERSION: ClassVar[int] = 1
-
-
-_REGISTRY: dict[str, type[Message]] = {}
-M = TypeVar("M", bound=type[Message])
-
-
-def message(tag: str, version: int = 1):
-    """Register a message class under ``tag``."""
-
-    def register(cls: M) -> M:
-        if tag in _REGISTRY:
-            raise ValueError(f"duplicate message tag {tag!r}")
-        cls.TAG, cls.VERSION = tag, version
-        _REGISTRY[tag] = cls
-        return cls
-
-    return register
+__all__ = ["MAX_MESSAGE_BYTES", "Message", "ProtocolError", "decode", "encode", "message"]
 
 
 # ---- gateway <-> router ---------------------------------------------------------------
 
-@message("submit")
+@message("submit", version=2)
 @dataclass(frozen=True, slots=True)
 class Submit(Message):
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams fields; see params_to_wire
+    params: SamplingParams
     reply_to: str  # the gateway's token-stream address
-    arrival_time: float  # wall clock at the gateway, for queue-time metrics
 
 
 @message("admitted")
@@ -77,6 +45,9 @@ class Rejected(Message):
     reason: str
     retry_after: float | None = None
 
+    def __post_init__(self) -> None:
+        _require(400 <= self.status < 600, f"rejected.status {self.status} is not an HTTP error")
+
 
 @message("abort")
 @dataclass(frozen=True, slots=True)
@@ -91,7 +62,7 @@ class Ping(Message):
     nonce: int
 
 
-@message("status")
+@message("status", version=2)
 @dataclass(frozen=True, slots=True)
 class Status(Message):
     """The router's answer to a ping: what it can serve right now."""
@@ -100,22 +71,22 @@ class Status(Message):
     prefill_workers: int  # prefill-capable (prefill + colocated)
     decode_workers: int  # decode-capable (decode + colocated)
     queue_length: int
-    max_model_len: int  # the smallest limit among live workers (0 = none)
+    max_model_len: int | None  # the smallest limit among live workers; None without workers
+    queue_timeout: float  # the router's; a gateway must wait longer for admission
 
 
 # ---- router -> workers ----------------------------------------------------------------
 
-@message("task")
+@message("task", version=2)
 @dataclass(frozen=True, slots=True)
 class Task(Message):
     """Run a request: prefill only (``handoff_addr`` set) or to completion (colocated)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingParams
     reply_to: str
-    handoff_worker: str | None = None  # decode worker id
-    handoff_addr: str | None = None  # its KV receiver address
+    handoff_addr: str | None = None  # the chosen decode worker's KV receiver address
 
 
 @message("reregister")
@@ -128,33 +99,47 @@ class Reregister(Message):
 
 # ---- workers -> gateway ---------------------------------------------------------------
 
-@message("tokens")
+@message("tokens", version=2)
 @dataclass(frozen=True, slots=True)
 class Tokens(Message):
     request_id: str
     choice: int
     index: int  # position of token_ids[0] in the choice's output, for reordering
     token_ids: list[int]
-    logprobs: list[list[Any]] | None = None  # per token: [logprob, [[id, logprob], ...]]
-    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token when asked for
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed on the server side
 
+    def __post_init__(self) -> None:
+        _require(self.choice >= 0 and self.index >= 0, "tokens.choice and index must be >= 0")
+        _require(self.logprobs is None or len(self.logprobs) == len(self.token_ids),
+                 "tokens.logprobs needs one entry per token")
+
 
 # ---- workers -> router ----------------------------------------------------------------
 
-@message("register")
+@message("register", version=2)
 @dataclass(frozen=True, slots=True)
 class Register(Message):
     worker_id: str
-    role: str  # prefill | decode | colocated
+    role: WorkerRole
     kv_addr: str | None  # decode/colocated workers: where KV handoffs arrive
     metrics_url: str
     num_blocks: int
     block_size: int
     max_model_len: int
     model: str
+    heartbeat_interval: float  # the router's timeout must span several of these
+    cached_blocks: list[bytes] = field(default_factory=list)  # every block hash it holds now
+
+    def __post_init__(self) -> None:
+        _require(self.num_blocks >= 1 and self.block_size >= 1 and self.max_model_len >= 2,
+                 "register: num_blocks, block_size and max_model_len must be positive")
+        _require(self.heartbeat_interval > 0, "register.heartbeat_interval must be > 0")
+        _require((self.kv_addr is None) == (self.role is WorkerRole.PREFILL),
+                 "register.kv_addr is required exactly for decode-capable workers")
 
 
 @message("heartbeat")
@@ -166,6 +151,10 @@ class Heartbeat(Message):
     free_blocks: int
     total_blocks: int
 
+    def __post_init__(self) -> None:
+        _require(min(self.num_running, self.num_waiting, self.free_blocks) >= 0
+                 and self.free_blocks <= self.total_blocks, "heartbeat: inconsistent counts")
+
 
 @message("kv_events")
 @dataclass(frozen=True, slots=True)
@@ -176,36 +165,58 @@ class KVEvents(Message):
     cleared: bool = False  # the worker forgot its whole cache (e.g. restarted)
 
 
-@message("finished")
+@message("finished", version=2)
 @dataclass(frozen=True, slots=True)
 class Finished(Message):
-    """A worker is done with a request: ``stage`` is prefill (KV handed off) or request."""
+    """A worker is done with a request, at ``stage``."""
 
     request_id: str
     worker_id: str
-    stage: str
+    stage: FinishStage
     error: str | None = None
 
 
 # ---- prefill -> decode (KV connector control) -----------------------------------------
 
-@message("kv_handoff")
+@message("kv_handoff", version=2)
 @dataclass(frozen=True, slots=True)
 class KVHandoff(Message):
-    """Header of a KV transfer; ``num_blocks`` raw frames of ``block_nbytes`` follow."""
+    """Header of a KV transfer; ``num_blocks`` raw frames of ``block_nbytes`` follow.
+
+    Per-choice lists (``first_tokens``, ``first_logprobs``, ``generator_states``,
+    ``finished``) have one entry per choice; the blocks cover the prompt exactly.
+    ``common.engine.handoff`` converts it to and from the engine's ``Handoff``.
+    """
 
     transfer_id: str
     request_id: str
     prompt_token_ids: list[int]
     first_tokens: list[int]  # one per choice, sampled by the prefill worker
-    first_logprobs: list[list[Any] | None]
+    first_logprobs: list[TokenLogprob | None]
     generator_states: list[bytes | None]  # seeded choices continue their random stream
-    params: dict[str, Any]
+    finished: list[bool]  # choices that already ended at their first token
+    params: SamplingParams
     reply_to: str
     num_cached_tokens: int
     num_blocks: int
     block_nbytes: int
     layout: list[int]  # [num_layers, block_size, kv_heads, head_dim, element_size]
+
+    def __post_init__(self) -> None:
+        n = len(self.first_tokens)
+        _require(n == self.params.n, f"kv_handoff has {n} first tokens for n={self.params.n}")
+        _require(len(self.first_logprobs) == len(self.generator_states) == len(self.finished) == n,
+                 "kv_handoff: per-choice lists differ in length")
+        _require(not all(self.finished), "kv_handoff: every choice has finished already")
+        _require(len(self.layout) == 5 and all(x >= 1 for x in self.layout),
+                 "kv_handoff.layout needs five positive sizes")
+        _require(len(self.prompt_token_ids) >= 1, "kv_handoff: empty prompt")
+        need = -(-len(self.prompt_token_ids) // self.layout[1])
+        _require(self.num_blocks == need, f"kv_handoff: {self.num_blocks} blocks for a prompt "
+                                          f"that needs {need}")
+        _require(0 <= self.num_cached_tokens <= len(self.prompt_token_ids),
+                 "kv_handoff.num_cached_tokens out of range")
+        _require(self.block_nbytes >= 1, "kv_handoff.block_nbytes must be positive")
 
 
 @message("kv_ack")
@@ -214,73 +225,3 @@ class KVAck(Message):
     transfer_id: str
     ok: bool
     reason: str = ""
-
-
-# ---- encoding -------------------------------------------------------------------------
-
-def encode(msg: Message) -> bytes:
-    values = [getattr(msg, f.name) for f in dataclasses.fields(msg)]
-    return msgpack.packb([msg.TAG, msg.VERSION, values], use_bin_type=True)
-
-
-def decode(data: bytes | memoryview) -> Message:
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        tag, version, values = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise ProtocolError(f"undecodable message: {e}") from e
-    cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message tag {tag!r}")
-    if type(version) is not int or version != cls.VERSION:
-        raise ProtocolError(f"{tag} version {version} is not the supported {cls.VERSION}")
-    schema = _schema(cls)
-    if not isinstance(values, list) or len(values) != len(schema):
-        raise ProtocolError(f"{tag} needs {len(schema)} fields")
-    for (name, hint), v in zip(schema, values, strict=True):
-        if not _type_ok(v, hint):
-            raise ProtocolError(f"{tag}.{name} has the wrong type ({type(v).__name__})")
-    return cls(*values)
-
-
-@functools.cache
-def _schema(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
-    hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is Any:
-        return True
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-
-
-def params_from_wire(raw: dict[str, Any]) -> SamplingParams:
-    """Rebuild sampling params sent by a peer, checking types and ranges again (the same
-    parser as client input: never trust the wire)."""
-    try:
-        params = SamplingParams.from_dict(raw)
-        if "max_tokens" in raw and raw["max_tokens"] is None:  # None here means "no limit"
-            params = dataclasses.replace(params, max_tokens=None)
-        return params
-    except (TypeError, ValueError) as e:
-        raise ProtocolError(f"bad sampling params: {e}") from e

@@ -50,10 +50,15 @@ F = TypeVar("F")
 K = TypeVar("K", bound=Hashable)
 
 
-def cache_dir() -> Path:
+def cache_root() -> Path:
+    """Where Tandem keeps what it builds or converts once (``$TANDEM_CACHE_DIR``, else
+    ``~/.cache/tandem``); the one definition, for kernels here and models in the loader."""
     root = os.environ.get("TANDEM_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "tandem"
-    return base / "kernels"
+    return Path(root) if root else Path.home() / ".cache" / "tandem"
+
+
+def cache_dir() -> Path:
+    return cache_root() / "kernels"
 
 
 def cpu_identity() -> str:

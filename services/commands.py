@@ -14,62 +14,88 @@ import os
 import signal
 import socket
 
-from services.flags import add_engine_flags, engine_config, env_default
+from services.flags import add_engine_flags, default_of, engine_config, env
 
 log = logging.getLogger("tandem")
 
-DEFAULT_ROUTER = "tcp://127.0.0.1:7100"
+DEFAULT_ROUTER_PORT = 7100
+DEFAULT_ROUTER = f"tcp://127.0.0.1:{DEFAULT_ROUTER_PORT}"
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=env_default("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env_default("port", 7100)))
-    p.add_argument("--metrics-port", type=int, default=int(env_default("metrics_port", 9100)))
-    p.add_argument("--policy", default=env_default("policy", "prefix"),
-                   choices=["prefix", "round_robin", "least_loaded"])
-    p.add_argument("--prefill-token-budget", type=int, default=int(env_default("prefill_token_budget", 8192)),
+    from services.router.policies import RoutingPolicy
+    from services.router.service import RouterSettings as R
+
+    p.add_argument("--host", default=env("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env("port", DEFAULT_ROUTER_PORT, int))
+    p.add_argument("--metrics-port", type=int, default=env("metrics_port", 9100, int))
+    p.add_argument("--policy", default=env("policy", default_of(R, "policy").value),
+                   choices=[policy.value for policy in RoutingPolicy])
+    p.add_argument("--prefill-token-budget", type=int,
+                   default=env("prefill_token_budget", default_of(R, "token_budget"), int),
                    help="outstanding prompt tokens per prefill worker before requests queue")
-    p.add_argument("--load-weight", type=float, default=float(env_default("load_weight", 1.0)),
+    p.add_argument("--load-weight", type=float, default=env("load_weight", default_of(R, "load_weight"), float),
                    help="prefix policy: outstanding tokens that cancel one cached token")
-    p.add_argument("--max-queue", type=int, default=int(env_default("max_queue", 256)))
-    p.add_argument("--queue-timeout", type=float, default=float(env_default("queue_timeout", 60)))
-    p.add_argument("--heartbeat-timeout", type=float, default=float(env_default("heartbeat_timeout", 5)))
+    p.add_argument("--max-queue", type=int, default=env("max_queue", default_of(R, "max_queue"), int))
+    p.add_argument("--queue-timeout", type=float,
+                   default=env("queue_timeout", default_of(R, "queue_timeout"), float),
+                   help="seconds a request may wait for a worker (the gateway's "
+                        "--admission-timeout must be longer)")
+    p.add_argument("--heartbeat-timeout", type=float,
+                   default=env("heartbeat_timeout", default_of(R, "heartbeat_timeout"), float),
+                   help="silence after which a worker is declared dead (at least two of the "
+                        "workers' --heartbeat-interval)")
     p.set_defaults(func=run_router)
 
 
 def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--router", default=env_default("router", DEFAULT_ROUTER))
-    p.add_argument("--host", default=env_default("host", "127.0.0.1"),
+    from services.worker import WorkerSettings as W
+
+    p.add_argument("--router", default=env("router", DEFAULT_ROUTER))
+    p.add_argument("--host", default=env("host", "127.0.0.1"),
                    help="interface the KV receiver and metrics bind to")
-    p.add_argument("--advertise-host", default=env_default("advertise_host"),
+    p.add_argument("--advertise-host", default=env("advertise_host"),
                    help="how peers reach this worker (default: --host, or the hostname for 0.0.0.0)")
-    p.add_argument("--metrics-port", type=int, default=int(env_default("metrics_port", 0)))
-    p.add_argument("--worker-id", default=env_default("worker_id"))
-    p.add_argument("--kv-transport", default=env_default("kv_transport", "zmq"), choices=["zmq", "ucx"])
-    p.add_argument("--kv-port", type=int, default=int(env_default("kv_port", 0)))
-    p.add_argument("--kv-address", default=env_default("kv_address"),
+    p.add_argument("--metrics-port", type=int, default=env("metrics_port", default_of(W, "metrics_port"), int))
+    p.add_argument("--worker-id", default=env("worker_id"))
+    p.add_argument("--kv-transport", default=env("kv_transport", default_of(W, "kv_transport")),
+                   choices=["zmq", "ucx"])
+    p.add_argument("--kv-port", type=int, default=env("kv_port", 0, int))
+    p.add_argument("--kv-address", default=env("kv_address"),
                    help="full KV receiver address instead of host:port, e.g. ipc:///tmp/kv.sock")
-    p.add_argument("--lease-seconds", type=float, default=float(env_default("lease_seconds", 30)))
-    p.add_argument("--cpu-affinity", default=env_default("cpu_affinity"),
+    p.add_argument("--lease-seconds", type=float,
+                   default=env("lease_seconds", default_of(W, "lease_seconds"), float),
+                   help="free a shipped request's blocks if the receiver has not acked by then "
+                        "(longer than the KV transport's frame timeout)")
+    p.add_argument("--heartbeat-interval", type=float,
+                   default=env("heartbeat_interval", default_of(W, "heartbeat_interval"), float))
+    p.add_argument("--cpu-affinity", default=env("cpu_affinity"),
                    help="CPUs to pin this process to, e.g. 0 or 0-1 or 0,2")
     add_engine_flags(p)
     p.set_defaults(func=run_worker, role=role)
 
 
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--router", default=env_default("router", DEFAULT_ROUTER))
-    p.add_argument("--host", default=env_default("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env_default("port", 8000)))
-    p.add_argument("--stream-port", type=int, default=int(env_default("stream_port", 0)),
+    from services.gateway.app import GatewaySettings as G
+
+    p.add_argument("--router", default=env("router", DEFAULT_ROUTER))
+    p.add_argument("--host", default=env("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env("port", 8000, int))
+    p.add_argument("--stream-port", type=int, default=env("stream_port", 0, int),
                    help="where workers push tokens (0 = any free port)")
-    p.add_argument("--advertise-host", default=env_default("advertise_host"))
-    p.add_argument("--api-key", default=env_default("api_key"),
-                   help="require 'Authorization: Bearer KEY' on /v1 endpoints")
-    p.add_argument("--model", default=env_default("model"), help="model whose tokenizer to use")
-    p.add_argument("--served-model-name", default=env_default("served_model_name"))
-    p.add_argument("--max-model-len", type=int, default=env_default("max_model_len"))
-    p.add_argument("--request-timeout", type=float, default=float(env_default("request_timeout", 600)),
+    p.add_argument("--advertise-host", default=env("advertise_host"))
+    p.add_argument("--api-key", default=env("api_key"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--model", default=env("model"), help="model whose tokenizer to use")
+    p.add_argument("--served-model-name", default=env("served_model_name"))
+    p.add_argument("--max-model-len", type=int, default=env("max_model_len", None, int))
+    p.add_argument("--request-timeout", type=float,
+                   default=env("request_timeout", default_of(G, "request_timeout"), float),
                    help="give up on a request that produced nothing for this long")
+    p.add_argument("--admission-timeout", type=float,
+                   default=env("admission_timeout", default_of(G, "admission_timeout"), float),
+                   help="wait this long for the router to place a request (longer than the "
+                        "router's --queue-timeout)")
     p.set_defaults(func=run_gateway)
 
 
@@ -93,7 +119,8 @@ def run_router(args: argparse.Namespace) -> int:
     from services.router.service import RouterService, RouterSettings
 
     settings = RouterSettings(
-        bind=f"tcp://{args.host}:{args.port}", policy=args.policy, token_budget=args.prefill_token_budget,
+        bind=f"tcp://{args.host}:{args.port}", policy=args.policy,
+        token_budget=args.prefill_token_budget,
         load_weight=args.load_weight, max_queue=args.max_queue, queue_timeout=args.queue_timeout,
         heartbeat_timeout=args.heartbeat_timeout, metrics_host=args.host, metrics_port=args.metrics_port)
 
@@ -120,6 +147,7 @@ def run_worker(args: argparse.Namespace) -> int:
         role=args.role, router=args.router, kv_transport=args.kv_transport, kv_bind=kv_bind,
         metrics_host=args.host,
         metrics_port=args.metrics_port, advertise_host=host, lease_seconds=args.lease_seconds,
+        heartbeat_interval=args.heartbeat_interval,
         **({"worker_id": args.worker_id} if args.worker_id else {}))
     engine = Engine(engine_config(args), detokenize=False)
     service = WorkerService(settings, engine)
@@ -143,8 +171,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         router=args.router, stream_bind=f"tcp://{args.host}:{args.stream_port}",
         advertise_host=advertised(args.host, args.advertise_host),
         api_key=args.api_key, model=args.model, served_model_name=args.served_model_name,
-        max_model_len=int(args.max_model_len) if args.max_model_len else None,
-        request_timeout=args.request_timeout)
+        max_model_len=args.max_model_len, request_timeout=args.request_timeout,
+        admission_timeout=args.admission_timeout)
     app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

@@ -1,76 +1,101 @@
-"""Command-line flags shared by every command that runs an engine.
+"""Command-line flags, with their defaults taken from the settings dataclasses.
 
-Each flag also reads a ``TANDEM_<NAME>`` environment variable (``--max-num-seqs`` ↔
-``TANDEM_MAX_NUM_SEQS``), which is how ``compose.yaml`` configures services; a flag given
-on the command line wins.
+One source per default: a setting's value and its validation live in its frozen
+dataclass (``common.config`` for the engine, ``RouterSettings``, ``WorkerSettings``,
+``GatewaySettings``); argparse only reads them (``default_of``). Each flag also reads a
+``TANDEM_<NAME>`` environment variable (``--max-num-seqs`` ↔ ``TANDEM_MAX_NUM_SEQS``),
+which is how ``compose.yaml`` configures services; a flag given on the command line wins.
+
+``add_engine_flags`` puts the engine's flags in one argument group titled
+``ENGINE_GROUP``; ``tandem up`` forwards every flag of that group to its workers.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from typing import Any
 
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 
+ENGINE_GROUP = "engine"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
-def env_default(dest: str, default=None):
-    return os.environ.get("TANDEM_" + dest.upper(), default)
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field ``name`` of the dataclass ``cls``."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise ValueError(f"{cls.__name__}.{name} has no default")
+    raise KeyError(f"{cls.__name__} has no field {name!r}")
 
 
-def env_bool(dest: str, default: bool) -> bool:
-    value = env_default(dest)
-    if value is None:
+def env(dest: str, default: Any = None, kind: type = str) -> Any:
+    """``TANDEM_<DEST>`` converted to ``kind``, else ``default``."""
+    name = "TANDEM_" + dest.upper()
+    raw = os.environ.get(name)
+    if raw is None:
         return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    if kind is bool:
+        value = raw.strip().lower()
+        if value not in _TRUE + _FALSE:
+            raise ValueError(f"{name}={raw!r}: use true or false")
+        return value in _TRUE
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=env_default("model"),
+    g = parser.add_argument_group(ENGINE_GROUP)
+    m, c, s = ModelConfig, CacheConfig, SchedulerConfig
+    g.add_argument("--model", default=env("model", default_of(m, "path")),
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=env_default("served_model_name"))
-    g.add_argument("--dtype", default=env_default("dtype", "auto"),
+    g.add_argument("--served-model-name", default=env("served_model_name", default_of(m, "served_name")))
+    g.add_argument("--dtype", default=env("dtype", default_of(m, "dtype")),
                    choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default=env_default("device", "auto"), choices=["auto", "cpu", "cuda"])
-    g.add_argument("--max-model-len", type=int, default=env_default("max_model_len"))
-    g.add_argument("--block-size", type=int, default=int(env_default("block_size", 16)))
-    g.add_argument("--kv-cache-memory", default=env_default("kv_cache_memory", "2GiB"),
-                   help="KV-cache budget, e.g. 512MiB or 2GiB")
-    g.add_argument("--num-kv-blocks", type=int, default=env_default("num_kv_blocks"),
+    g.add_argument("--device", default=env("device", default_of(m, "device")),
+                   choices=["auto", "cpu", "cuda"])
+    g.add_argument("--max-model-len", type=int, default=env("max_model_len", default_of(m, "max_model_len"), int))
+    g.add_argument("--block-size", type=int, default=env("block_size", default_of(c, "block_size"), int))
+    g.add_argument("--kv-cache-memory", default=env("kv_cache_memory", str(default_of(c, "memory_bytes"))),
+                   help="KV-cache budget, e.g. 512MiB or 2GiB (default: 2GiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=env("num_kv_blocks", default_of(c, "num_blocks"), int),
                    help="size the KV cache by block count instead of memory")
-    g.add_argument("--kv-cache-dtype", default=env_default("kv_cache_dtype", "auto"),
+    g.add_argument("--kv-cache-dtype", default=env("kv_cache_dtype", default_of(c, "kv_cache_dtype")),
                    choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=env_bool("enable_prefix_caching", True))
+                   default=env("enable_prefix_caching", default_of(c, "enable_prefix_caching"), bool))
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=env_bool("enable_chunked_prefill", True))
-    g.add_argument("--max-num-seqs", type=int, default=int(env_default("max_num_seqs", 256)))
+                   default=env("enable_chunked_prefill", default_of(s, "enable_chunked_prefill"), bool))
+    g.add_argument("--max-num-seqs", type=int, default=env("max_num_seqs", default_of(s, "max_num_seqs"), int))
     g.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(env_default("max_num_batched_tokens", 512)),
+                   default=env("max_num_batched_tokens", default_of(s, "max_num_batched_tokens"), int),
                    help="token budget of one engine step (prefill chunks + decodes)")
-    g.add_argument("--threads", type=int, default=env_default("threads"),
+    g.add_argument("--threads", type=int, default=env("threads", default_of(EngineConfig, "threads"), int),
                    help="torch threads (default: every CPU this process may use)")
-    g.add_argument("--seed", type=int, default=int(env_default("seed", 0)))
+    g.add_argument("--seed", type=int, default=env("seed", default_of(EngineConfig, "seed"), int))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Build the engine settings; raises ValueError with a one-line reason."""
-    num_blocks = args.num_kv_blocks
     return EngineConfig(
-        model=ModelConfig(path=args.model, dtype=args.dtype,
-                          max_model_len=_opt_int(args.max_model_len),
+        model=ModelConfig(path=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                           served_name=args.served_model_name, device=args.device),
         cache=CacheConfig(block_size=args.block_size, memory_bytes=parse_size(args.kv_cache_memory),
-                          num_blocks=_opt_int(num_blocks),
+                          num_blocks=args.num_kv_blocks,
                           enable_prefix_caching=args.enable_prefix_caching,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill),
-        threads=_opt_int(args.threads),
+        threads=args.threads,
         seed=args.seed,
     )
-
-
-def _opt_int(value) -> int | None:
-    return None if value is None else int(value)

@@ -9,16 +9,18 @@
 The loop: read control messages → take arrived KV → step the engine → send tokens →
 settle transfers → report to the router. The engine is touched by this thread only.
 Sockets: a DEALER to the router (identity = worker id), PUSH sockets to gateways, and
-the KV connector's sender or receiver.
+the KV connector's sender or receiver. Transfer bookkeeping lives in
+``common.connector.transfers``; converting a handoff to the wire in
+``common.engine.handoff``. Every handler runs guarded: a bad message or a failing
+request fails that request alone, is logged and counted, and the loop goes on.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -26,17 +28,15 @@ from prometheus_client import CollectorRegistry
 
 from common.addresses import reachable
 from common.connector import ReceivedTransfer, make_receiver, make_sender
-from common.connector.lease import LeaseTable
+from common.connector.transfers import IncomingTransfers, OutgoingTransfers, TransferOutcome
 from common.engine.engine import Engine, SeqUpdate
-from common.engine.handoff import Handoff, check_layout
-from common.errors import InvalidRequestError
-from common.metrics import EngineMetrics, MetricsServer
+from common.engine.handoff import from_wire, to_wire
+from common.metrics import EngineMetrics, MetricsServer, ServiceHealth
 from common.protocol import (
     Abort,
     Finished,
     Heartbeat,
     KVEvents,
-    KVHandoff,
     Message,
     ProtocolError,
     Register,
@@ -45,26 +45,20 @@ from common.protocol import (
     Tokens,
     decode,
     encode,
-    params_from_wire,
-    params_to_wire,
 )
-from services.worker_streams import (
-    GatewayStreams,
-    RequestClock,
-    logprobs_from_wire,
-    logprobs_to_wire,
-)
+from common.roles import FinishStage, WorkerRole
+from services.heartbeat import Heartbeater
+from services.worker_requests import GatewayPushers, RequestClock
 
 log = logging.getLogger("tandem.worker")
 
-HEARTBEAT_SECONDS = 0.25
 IDLE_WAIT_MS = 100  # an idle loop sleeps in poll(); any message wakes it at once
 IDLE_POLL_MS = 5  # for a receiver that cannot wake the poller (UCX's own thread)
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    role: str  # prefill | decode | colocated
+    role: WorkerRole
     router: str
     worker_id: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
     kv_transport: str = "zmq"
@@ -72,41 +66,15 @@ class WorkerSettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     advertise_host: str = "127.0.0.1"
-    lease_seconds: float = 30.0
+    lease_seconds: float = 30.0  # a shipped request's blocks are freed after this unacked
+    heartbeat_interval: float = 0.25
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "colocated"):
-            raise ValueError(f"unknown worker role {self.role!r}")
-
-
-class Heartbeater:
-    """Heartbeats from their own thread and socket: an engine step can take seconds (a
-    2,048-token prefill chunk on one core), and a busy worker is not a dead one. It goes
-    quiet when the loop itself stops ticking for ``stall_seconds`` — a hung worker."""
-
-    def __init__(self, ctx: zmq.Context, router: str, worker_id: str, stall_seconds: float = 300.0) -> None:
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt_string(zmq.IDENTITY, f"{worker_id}/heartbeat")
-        self._sock.connect(router)
-        self._stall = stall_seconds
-        self.snapshot: Heartbeat | None = None  # replaced whole by the loop, read here
-        self.last_tick = time.monotonic()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=2)
-        self._sock.close(linger=0)
-
-    def _run(self) -> None:
-        while not self._done.wait(HEARTBEAT_SECONDS):
-            beat = self.snapshot
-            if beat is not None and time.monotonic() - self.last_tick < self._stall:
-                self._sock.send(encode(beat))
+        object.__setattr__(self, "role", WorkerRole(self.role))
+        if self.lease_seconds <= 0 or self.heartbeat_interval <= 0:
+            raise ValueError("lease_seconds and heartbeat_interval must be > 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port {self.metrics_port} is not a port")
 
 
 class WorkerService:
@@ -117,20 +85,22 @@ class WorkerService:
         self.router = self._ctx.socket(zmq.DEALER)
         self.router.setsockopt_string(zmq.IDENTITY, settings.worker_id)
         self.router.connect(settings.router)
-        self.streams = GatewayStreams(self._ctx)
+        self.pushers = GatewayPushers(self._ctx)
         self.clock = RequestClock()
-        self.sender = make_sender(settings.kv_transport) if settings.role == "prefill" else None
-        self.receiver = None
-        if settings.role in ("decode", "colocated"):
-            self.receiver = make_receiver(settings.kv_transport, settings.kv_bind or "tcp://127.0.0.1:0")
-        self.leases = LeaseTable(settings.lease_seconds)
-        self._in_flight: dict[str, tuple[str, float, int]] = {}  # transfer -> (request, start, bytes)
-        self._pending: list[ReceivedTransfer] = []  # arrived KV waiting for free blocks
-        self._aborted: OrderedDict[str, None] = OrderedDict()  # late handoffs to drop
         self._registry = CollectorRegistry()
         self.metrics = EngineMetrics(self._registry)
-        self.http = MetricsServer(self._registry, settings.metrics_host, settings.metrics_port, self._health)
-        self.heartbeat = Heartbeater(self._ctx, settings.router, settings.worker_id)
+        self.sender = self.receiver = None
+        if settings.role is WorkerRole.PREFILL:
+            self.sender = make_sender(settings.kv_transport)
+        else:
+            self.receiver = make_receiver(settings.kv_transport,
+                                          settings.kv_bind or "tcp://127.0.0.1:0")
+        self.outgoing = OutgoingTransfers(settings.lease_seconds)
+        self.incoming = IncomingTransfers()
+        self.http = MetricsServer(self._registry, settings.metrics_host, settings.metrics_port,
+                                  self._health)
+        self.heartbeat = Heartbeater(self._ctx, settings.router, settings.worker_id,
+                                     settings.heartbeat_interval)
         self._poller = zmq.Poller()
         self._poller.register(self.router, zmq.POLLIN)
         wakeup = getattr(self.receiver, "wakeup_socket", None)
@@ -146,8 +116,8 @@ class WorkerService:
         self.http.start()
         self._register()
         self.heartbeat.start()
-        log.info("%s worker %s up: router %s, kv %s, metrics :%d", self.s.role, self.s.worker_id,
-                 self.s.router, self.kv_address, self.http.port)
+        log.info("%s worker %s up: router %s, kv %s, metrics :%d", self.s.role.value,
+                 self.s.worker_id, self.s.router, self.kv_address, self.http.port)
         try:
             while not self._stopping:
                 self._tick()
@@ -162,7 +132,7 @@ class WorkerService:
             if closer is not None:
                 closer.close()
         self.heartbeat.close()
-        self.streams.close()
+        self.pushers.close()
         self.router.close(linger=0)
         self.http.close()
         self._ctx.term()
@@ -175,7 +145,7 @@ class WorkerService:
         return reachable(self.receiver.address, self.s.advertise_host)
 
     def _tick(self) -> None:
-        busy = self.engine.has_unfinished or self._pending or len(self.leases)
+        busy = self.engine.has_unfinished or len(self.incoming) or len(self.outgoing)
         if not busy:
             self._poller.poll(IDLE_WAIT_MS if self._wakeable else IDLE_POLL_MS)
         self._read_control()
@@ -187,6 +157,27 @@ class WorkerService:
             self._settle_transfers()
         self._report()
 
+    def _guarded(self, what: str, request_id: str | None, reply_to: str | None,
+                 work: Callable[[], object], abort: bool = False) -> None:
+        """Run one handler; a failure fails its request (if any), never the process.
+
+        ``abort``: the handler may fail halfway with the request in the engine, so drop it
+        (handlers that either add a request whole or not at all leave this off, so a
+        duplicate id cannot take down the request that already holds it).
+        """
+        try:
+            work()
+        except Exception as e:
+            log.exception("%s failed%s", what, f" for {request_id}" if request_id else "")
+            self.metrics.handler_errors.labels(what).inc()
+            if request_id is None:
+                return
+            if abort:
+                self.engine.abort(request_id)
+                self.clock.forget(request_id)
+            if reply_to is not None:
+                self._fail(request_id, reply_to, f"{what} failed: {e}")
+
     # ---- control messages -----------------------------------------------------------
 
     def _read_control(self) -> None:
@@ -195,45 +186,42 @@ class WorkerService:
                 msg = decode(self.router.recv())
             except ProtocolError as e:
                 log.warning("bad message from the router: %s", e)
+                self.metrics.handler_errors.labels("decode").inc()
                 continue
             if isinstance(msg, Task):
-                self._on_task(msg)
+                self._guarded("task", msg.request_id, msg.reply_to, lambda m=msg: self._on_task(m))
             elif isinstance(msg, Abort):
-                self._on_abort(msg.request_id)
+                self._guarded("abort", None, None, lambda m=msg: self._on_abort(m.request_id))
             elif isinstance(msg, Reregister):
-                self._rejoin()
+                self._guarded("reregister", None, None, self._rejoin)
+            else:
+                log.warning("unexpected %s from the router", msg.TAG)
 
     def _on_task(self, task: Task) -> None:
-        try:
-            params = params_from_wire(task.params)
-            self.engine.add_request(task.prompt_token_ids, params, task.request_id,
-                                    prefill_only=task.handoff_addr is not None)
-        except (ProtocolError, ValueError, TypeError) as e:  # a bad task fails alone
-            self._fail(task.request_id, task.reply_to, str(e))
-            return
+        if task.handoff_addr is not None and self.sender is None:
+            raise ProtocolError("a prefill-only task sent to a worker that cannot ship KV")
+        self.engine.add_request(task.prompt_token_ids, task.params, task.request_id,
+                                prefill_only=task.handoff_addr is not None)
         self.clock.start(task.request_id, task.reply_to, len(task.prompt_token_ids),
-                         (task.handoff_worker, task.handoff_addr))
+                         task.handoff_addr)
 
     def _on_abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-        self.leases.cancel(request_id)
+        self.outgoing.cancel(request_id)
+        self.incoming.abort(request_id)
         self.clock.forget(request_id)
-        self._pending = [t for t in self._pending if t.header.request_id != request_id]
-        self._aborted[request_id] = None
-        while len(self._aborted) > 10_000:
-            self._aborted.popitem(last=False)
 
     def _rejoin(self) -> None:
         """The router gave us up for dead and failed our requests: drop them, register anew."""
         log.warning("the router lost track of this worker: dropping in-flight work, registering again")
         for request_id in self.engine.request_ids():
             self._on_abort(request_id)
-        self._pending.clear()
+        self.incoming.clear()
         self._register()
 
     def _fail(self, request_id: str, reply_to: str, error: str) -> None:
-        self.streams.send(reply_to, Tokens(request_id, 0, 0, [], error=error))
-        self._send_router(Finished(request_id, self.s.worker_id, "request", error=error))
+        self.pushers.send(reply_to, Tokens(request_id, 0, 0, [], error=error))
+        self._send_router(Finished(request_id, self.s.worker_id, FinishStage.REQUEST, error=error))
         self.metrics.success.labels("error").inc()
 
     # ---- tokens ---------------------------------------------------------------------
@@ -246,10 +234,9 @@ class WorkerService:
             if meta is None:
                 continue
             self.clock.observe_token(meta, u, now, self.metrics)
-            self.streams.send(meta.reply_to, Tokens(
-                u.request_id, u.choice, u.index, u.token_ids, logprobs_to_wire(u.logprobs),
-                u.finish_reason.value if u.finish_reason else None, meta.num_prompt_tokens,
-                u.num_cached_tokens))
+            self.pushers.send(meta.reply_to, Tokens(
+                u.request_id, u.choice, u.index, u.token_ids, u.logprobs or None,
+                u.finish_reason, meta.num_prompt_tokens, u.num_cached_tokens))
             if u.finish_reason is not None:
                 ended.append(u.request_id)
         for request_id in dict.fromkeys(ended):  # a request ends when its last choice does
@@ -257,53 +244,47 @@ class WorkerService:
             if out is not None:
                 reason = out.choices[0].finish_reason or "stop"
                 self.clock.finish(self.clock.get(request_id), now, reason, self.metrics)
-                self._send_router(Finished(request_id, self.s.worker_id, "request"))
+                self._send_router(Finished(request_id, self.s.worker_id, FinishStage.REQUEST))
 
     # ---- prefill side: shipping KV ----------------------------------------------------
 
     def _ship_handoffs(self) -> None:
         for h in self.engine.take_handoffs():
             meta = self.clock.get(h.request_id)
-            if meta is None or meta.handoff[1] is None:
+            if meta is None or meta.handoff_addr is None:
                 self.engine.abort(h.request_id)
                 continue
-            transfer_id = f"{h.request_id}:{uuid.uuid4().hex[:8]}"
-            blocks = self.engine.runner.block_views(h.block_ids)
-            header = self._handoff_header(transfer_id, h, meta.reply_to, blocks)
-            self.sender.send(meta.handoff[1], header, blocks)
-            self.leases.open(transfer_id, h.request_id)
-            self._in_flight[transfer_id] = (h.request_id, time.monotonic(), sum(b.nbytes for b in blocks))
+            self._guarded("ship", h.request_id, meta.reply_to,
+                          lambda h=h, meta=meta: self._ship(h, meta.reply_to, meta.handoff_addr),
+                          abort=True)
 
-    def _handoff_header(self, transfer_id: str, h: Handoff, reply_to: str, blocks) -> KVHandoff:
-        return KVHandoff(
-            transfer_id, h.request_id, h.prompt_token_ids, h.first_tokens,
-            [logprobs_to_wire([lp])[0] if lp else None for lp in h.first_logprobs],
-            h.generator_states, params_to_wire(h.params), reply_to, h.num_cached_tokens,
-            len(blocks), self.engine.runner.block_nbytes, self.engine.runner.layout)
+    def _ship(self, h, reply_to: str, addr: str) -> None:
+        transfer_id = f"{h.request_id}:{uuid.uuid4().hex[:8]}"
+        blocks = self.engine.export_blocks(h.block_ids)
+        header = to_wire(h, transfer_id, reply_to, self.engine.kv_layout, self.engine.block_nbytes)
+        self.sender.send(addr, header, blocks)
+        self.outgoing.open(transfer_id, h.request_id, sum(b.nbytes for b in blocks))
 
     def _settle_transfers(self) -> None:
-        for ack in self.sender.poll_acks():
-            lease = self.leases.settle(ack)
-            if lease is not None:
-                self._end_transfer(ack.transfer_id, lease.request_id, None if ack.ok else ack.reason)
-        for lease in self.leases.expired():
-            self._end_transfer(lease.transfer_id, lease.request_id, "KV transfer lease expired")
+        for outcome in self.outgoing.settle(self.sender.poll_acks()) + self.outgoing.expire():
+            self._end_transfer(outcome)
 
-    def _end_transfer(self, transfer_id: str, request_id: str, error: str | None) -> None:
-        _, started, nbytes = self._in_flight.pop(transfer_id, (request_id, time.monotonic(), 0))
-        meta = self.clock.get(request_id)
-        self.engine.abort(request_id)  # frees the blocks: they stay in the prefix cache
-        self.clock.forget(request_id)
-        if error is None:
-            self.metrics.kv_bytes.labels("sent").inc(nbytes)
-            self.metrics.kv_seconds.observe(time.monotonic() - started)
-            self._send_router(Finished(request_id, self.s.worker_id, "prefill"))
+    def _end_transfer(self, t: TransferOutcome) -> None:
+        meta = self.clock.get(t.request_id)
+        self.engine.abort(t.request_id)  # frees the blocks: they stay in the prefix cache
+        self.clock.forget(t.request_id)
+        if t.ok:
+            self.metrics.kv_bytes.labels("sent").inc(t.nbytes)
+            self.metrics.kv_seconds.observe(t.seconds)
+            self._send_router(Finished(t.request_id, self.s.worker_id, FinishStage.PREFILL))
             return
         self.metrics.kv_failures.labels("send").inc()
-        log.warning("KV transfer of %s failed: %s", request_id, error)
+        log.warning("KV transfer of %s failed: %s", t.request_id, t.error)
         if meta is not None:
-            self.streams.send(meta.reply_to, Tokens(request_id, 0, 1, [], error=f"KV transfer failed: {error}"))
-        self._send_router(Finished(request_id, self.s.worker_id, "prefill", error=error))
+            self.pushers.send(meta.reply_to, Tokens(t.request_id, 0, 1, [],
+                                                    error=f"KV transfer failed: {t.error}"))
+        self._send_router(Finished(t.request_id, self.s.worker_id, FinishStage.PREFILL,
+                                   error=t.error))
 
     # ---- decode side: taking KV in ----------------------------------------------------
 
@@ -311,45 +292,43 @@ class WorkerService:
         if self.receiver is None:
             return
         for transfer in self.receiver.poll(0):
-            problem = check_layout(transfer.header.layout, self.engine.runner.layout)
+            problem = self.engine.kv_layout.mismatch(transfer.header.layout)
             self.receiver.ack(transfer, ok=problem is None, reason=problem or "")
-            if problem is None:
-                self.metrics.kv_bytes.labels("received").inc(transfer.header.num_blocks *
-                                                             transfer.header.block_nbytes)
-                self._pending.append(transfer)
-            else:
+            if problem is not None:
                 self.metrics.kv_failures.labels("layout").inc()
-        self._pending = [t for t in self._pending if not self._admit(t)]
+                self._fail(transfer.header.request_id, transfer.header.reply_to, problem)
+                continue
+            h = transfer.header
+            self.metrics.kv_bytes.labels("received").inc(h.num_blocks * h.block_nbytes)
+            self.incoming.arrive(transfer)
+        self.incoming.admit(self._admit)
 
     def _admit(self, transfer: ReceivedTransfer) -> bool:
-        """True when the transfer is done with (admitted or dropped)."""
+        """True when the transfer is done with (admitted or failed), False to keep waiting."""
         h = transfer.header
-        if h.request_id in self._aborted:
-            return True
-        try:
-            first_logprobs = [logprobs_from_wire(lp, t) for lp, t in zip(h.first_logprobs, h.first_tokens,
-                                                                          strict=True)]
-            handoff = Handoff(h.request_id, h.prompt_token_ids, params_from_wire(h.params), [],
-                              h.first_tokens, first_logprobs,
-                              h.generator_states, [False] * len(h.first_tokens), h.num_cached_tokens)
-            if not self.engine.add_prefilled(handoff, transfer.blocks):
-                return False
-        except (ProtocolError, InvalidRequestError) as e:
-            self._fail(h.request_id, h.reply_to, f"bad KV handoff: {e}")
-            return True
-        self.clock.start(h.request_id, h.reply_to, len(h.prompt_token_ids), (None, None),
-                         cached=h.num_cached_tokens, first_token_seen=True)
-        return True
+        waiting = False
+
+        def admit() -> None:
+            nonlocal waiting
+            if not self.engine.add_prefilled(from_wire(h), transfer.blocks):
+                waiting = True  # no room yet: running requests will free blocks
+                return
+            self.clock.start(h.request_id, h.reply_to, len(h.prompt_token_ids),
+                             cached=h.num_cached_tokens, first_token_seen=True)
+
+        self._guarded("handoff", h.request_id, h.reply_to, admit)
+        return not waiting
 
     # ---- reporting ------------------------------------------------------------------
 
     def _register(self) -> None:
         e = self.engine
-        self._send_router(Register(self.s.worker_id, self.s.role, self.kv_address,
-                                   f"http://{self.s.advertise_host}:{self.http.port}/metrics",
-                                   e.pool.num_blocks, e.config.cache.block_size, e.max_model_len,
-                                   e.loaded.name))
-        self._send_router(KVEvents(self.s.worker_id, cleared=True))
+        self._send_router(Register(
+            self.s.worker_id, self.s.role, self.kv_address,
+            f"http://{self.s.advertise_host}:{self.http.port}/metrics", e.stats().num_blocks,
+            e.block_size, e.max_model_len, e.loaded.name, self.s.heartbeat_interval,
+            e.cached_block_hashes()))
+        e.take_kv_events()  # the snapshot above already holds them
 
     def _report(self) -> None:
         """KV events, metrics and the heartbeat's snapshot, after every tick (all cheap)."""
@@ -357,19 +336,18 @@ class WorkerService:
         if events:
             self._send_router(KVEvents(self.s.worker_id, [ev.block_hash for ev in events if ev.stored],
                                        [ev.block_hash for ev in events if not ev.stored]))
-        self._update_gauges()
-        e = self.engine
-        self.heartbeat.snapshot = Heartbeat(self.s.worker_id, e.num_running, e.num_waiting,
-                                            e.pool.num_free_blocks, e.pool.num_blocks)
+        stats = self.engine.stats()
+        self._update_gauges(stats)
+        self.heartbeat.snapshot = Heartbeat(self.s.worker_id, stats.num_running, stats.num_waiting,
+                                            stats.num_free_blocks, stats.num_blocks)
         self.heartbeat.last_tick = time.monotonic()
 
-    def _update_gauges(self) -> None:
-        e, m = self.engine, self.metrics
-        m.running.set(e.num_running)
-        m.waiting.set(e.num_waiting + len(self._pending))
-        m.kv_usage.set(e.pool.usage)
-        stats = e.scheduler.stats
-        seen = (stats.prefix_queries, stats.prefix_hits, e.scheduler.num_preemptions)
+    def _update_gauges(self, stats) -> None:
+        m = self.metrics
+        m.running.set(stats.num_running)
+        m.waiting.set(stats.num_waiting + len(self.incoming))
+        m.kv_usage.set(stats.kv_usage)
+        seen = (stats.prefix_queries, stats.prefix_hits, stats.num_preemptions)
         m.prefix_queries.inc(seen[0] - self._stats_seen[0])
         m.prefix_hits.inc(seen[1] - self._stats_seen[1])
         m.preemptions.inc(seen[2] - self._stats_seen[2])
@@ -378,8 +356,9 @@ class WorkerService:
     def _send_router(self, msg: Message) -> None:
         self.router.send(encode(msg))
 
-    def _health(self) -> tuple[bool, dict]:
-        e = self.engine
-        return True, {"status": "ok", "role": self.s.role, "worker_id": self.s.worker_id,
-                      "running": e.num_running, "waiting": e.num_waiting,
-                      "kv_cache_usage": e.pool.usage}
+    def _health(self) -> ServiceHealth:
+        stats = self.engine.stats()
+        return ServiceHealth(True, {"status": "ok", "role": self.s.role.value,
+                                    "worker_id": self.s.worker_id,
+                                    "running": stats.num_running, "waiting": stats.num_waiting,
+                                    "kv_cache_usage": stats.kv_usage})

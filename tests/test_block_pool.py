@@ -50,8 +50,10 @@ def test_hash_chain_is_stable_and_depends_on_parent():
     assert h1 == hash_block(None, [1, 2, 3, 4])
     assert hash_block(h1, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])
     assert hash_prefix_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], BS) == [h1, hash_block(h1, [5, 6, 7, 8])]
-    # A fixed value pins the encoding: router and workers on any machine must agree.
-    assert h1.hex() == hash_block(None, (1, 2, 3, 4)).hex() and len(h1) == 16
+    # Literal digests pin the encoding: router and workers on any machine, and any later
+    # version of this code, must agree (changing it invalidates every index).
+    assert h1.hex() == "49d21b926d235be14cd959fe2ade0dc2"
+    assert hash_block(h1, [5, 6, 7, 8]).hex() == "1fdc61476e6ec4978cf10a8c5936aa48"
 
 
 def test_sequence_allocation_and_cache_hit_shares_blocks():

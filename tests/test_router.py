@@ -29,6 +29,8 @@ from common.protocol import (
     decode,
     encode,
 )
+from common.roles import WorkerRole
+from common.sampling_params import SamplingParams
 from services.router.admission import AdmissionQueue
 from services.router.policies import (
     PlacementRequest,
@@ -50,7 +52,7 @@ HASHES = hash_prefix_blocks(PROMPT, BS)
 def worker(worker_id: str, role: str = "colocated", outstanding: int = 0, free: int = 100,
            num_blocks: int = 100, reserved: int = 0, waiting: int = 0, running: int = 0,
            max_model_len: int = 1024, last_seen: float = 0.0) -> WorkerInfo:
-    return WorkerInfo(worker_id, role, f"tcp://{worker_id}:7300", f"http://{worker_id}/metrics",
+    return WorkerInfo(worker_id, WorkerRole(role), f"tcp://{worker_id}:7300", f"http://{worker_id}/metrics",
                       num_blocks, BS, max_model_len, last_seen, num_running=running,
                       num_waiting=waiting, free_blocks=free, outstanding_tokens=outstanding,
                       reserved_blocks=reserved)
@@ -75,8 +77,8 @@ def index_with(**held: int) -> PrefixIndex:
 def register(worker_id: str, role: str = "colocated", num_blocks: int = 100,
              max_model_len: int = 1024) -> Register:
     kv_addr = None if role == "prefill" else f"tcp://{worker_id}:7300"
-    return Register(worker_id, role, kv_addr, f"http://{worker_id}/metrics", num_blocks, BS,
-                    max_model_len, "tiny")
+    return Register(worker_id, WorkerRole(role), kv_addr, f"http://{worker_id}/metrics",
+                    num_blocks, BS, max_model_len, "tiny", heartbeat_interval=0.25)
 
 
 def placed(steps, workers, req=None) -> str | None:
@@ -357,10 +359,9 @@ def test_registry_reregister_starts_a_fresh_record():
     reg = Registry(heartbeat_timeout=5.0)
     old = reg.register(register("w"), now=0.0)
     old.outstanding_tokens, old.reserved_blocks = 50, 3
-    old.requests.add("r")
     new = reg.register(register("w"), now=1.0)
     assert new is not old and reg.workers["w"] is new
-    assert (new.outstanding_tokens, new.reserved_blocks, new.requests) == (0, 0, set())
+    assert (new.outstanding_tokens, new.reserved_blocks) == (0, 0)
     assert reg.remove("w") is new
     assert reg.remove("w") is None
 
@@ -375,7 +376,7 @@ def test_registry_roles():
 
 def test_registry_max_model_len_is_the_minimum():
     reg = Registry(heartbeat_timeout=5.0)
-    assert reg.max_model_len() == 0
+    assert reg.max_model_len() is None
     reg.register(register("a", max_model_len=4096), now=0.0)
     assert reg.max_model_len() == 4096
     reg.register(register("b", "decode", max_model_len=2048), now=0.0)
@@ -487,7 +488,7 @@ def serve(**overrides):
 
 
 def submit(request_id: str, tokens: list[int] = PROMPT) -> Submit:
-    return Submit(request_id, tokens, {"max_tokens": 8}, "tcp://gateway:7201", 0.0)
+    return Submit(request_id, tokens, SamplingParams(max_tokens=8), "tcp://gateway:7201")
 
 
 @serve()
@@ -506,16 +507,16 @@ async def test_colocated_worker_gets_the_task_and_the_gateway_is_admitted(c: Clu
     gw = await c.gateway()
     await gw.send(submit("r1"))
     task = await w.expect(Task)
-    assert task == Task("r1", PROMPT, {"max_tokens": 8}, "tcp://gateway:7201", None, None)
+    assert task == Task("r1", PROMPT, SamplingParams(max_tokens=8), "tcp://gateway:7201", None)
     assert await gw.expect(Admitted) == Admitted("r1")
     info = c.service.registry.workers["w1"]
     assert info.outstanding_tokens == len(PROMPT)
-    assert info.requests == {"r1"}
+    assert c.service.ledger.requests_on("w1") == ["r1"]
 
     await w.send(Finished("r1", "w1", "request"))
     await c.status(w)  # the Finished before it has been handled
     assert info.outstanding_tokens == 0
-    assert info.requests == set()
+    assert c.service.ledger.requests_on("w1") == []
     assert c.service.requests == {}
 
 
@@ -538,7 +539,7 @@ async def test_prompt_at_the_model_limit_is_rejected_400(c: Cluster):
     await gw.send(submit("r1", PROMPT))  # 16 tokens leave no room for an output token
     msg = await gw.expect(Rejected)
     assert (msg.request_id, msg.status) == ("r1", 400)
-    assert "limit is 16" in msg.reason
+    assert "maximum context length is 16 tokens" in msg.reason
 
 
 @serve()
@@ -548,7 +549,7 @@ async def test_prefill_and_decode_task_carries_the_handoff(c: Cluster):
     gw = await c.gateway()
     await gw.send(submit("r1"))
     task = await p.expect(Task)
-    assert (task.request_id, task.handoff_worker, task.handoff_addr) == ("r1", "d1", "tcp://d1:7300")
+    assert (task.request_id, task.handoff_addr) == ("r1", "tcp://d1:7300")
     await gw.expect(Admitted)
     assert await d.nothing_pending()  # the decode worker hears from the prefill worker, not us
     reg = c.service.registry.workers
@@ -559,11 +560,12 @@ async def test_prefill_and_decode_task_carries_the_handoff(c: Cluster):
     await c.status(p)
     assert reg["d1"].reserved_blocks == 0
     assert reg["p1"].outstanding_tokens == 0
-    assert reg["p1"].requests == set() and reg["d1"].requests == {"r1"}
+    ledger = c.service.ledger
+    assert ledger.requests_on("p1") == [] and ledger.requests_on("d1") == ["r1"]
 
     await d.send(Finished("r1", "d1", "request"))
     await c.status(d)
-    assert reg["d1"].requests == set()
+    assert ledger.requests_on("d1") == []
     assert c.service.requests == {}
 
 
@@ -575,7 +577,7 @@ async def test_prefill_worker_without_a_decode_worker_queues(c: Cluster):
     assert (await c.status(gw)).queue_length == 1
     d = await c.worker("d1", "decode")  # registering drains the queue
     task = await p.expect(Task)
-    assert task.handoff_worker == "d1"
+    assert task.handoff_addr == "tcp://d1:7300"
     await gw.expect(Admitted)
     assert await d.nothing_pending()
 
@@ -714,7 +716,7 @@ async def test_ping_reports_worker_counts(c: Cluster):
     gw = await c.gateway()
     status = await c.status(gw)
     assert (status.prefill_workers, status.decode_workers) == (0, 0)
-    assert (status.queue_length, status.max_model_len) == (0, 0)
+    assert (status.queue_length, status.max_model_len) == (0, None)
     await c.worker("p1", "prefill", max_model_len=4096)
     await c.worker("d1", "decode", max_model_len=2048)
     await c.worker("d2", "decode", max_model_len=8192)
@@ -743,7 +745,7 @@ async def test_bad_frames_are_dropped_and_the_router_keeps_serving(c: Cluster):
     gw = await c.gateway()
     await gw.sock.send(b"\xc1garbage")
     await gw.sock.send_multipart([b"two", b"frames"])
-    await gw.send(Task("r", [1], {}, "x"))  # a valid message the router does not take
+    await gw.send(Task("r", [1], SamplingParams(), "x"))  # a valid message the router does not take
     assert (await c.status(gw)).queue_length == 0
 
 

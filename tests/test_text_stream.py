@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.model.tokenizer import TextStream, Tokenizer
+from common.model.tokenizer import Detokenizer, Tokenizer
 from common.sampling_params import SamplingParams
 from tests.conftest import make_engine
 
@@ -16,7 +16,7 @@ def tok(smollm2_dir) -> Tokenizer:
 
 def stream_all(tok, text, stop=()):
     ids = tok.encode(text)
-    stream = TextStream(tok, prompt_ids=[1, 2, 3], stop=stop)
+    stream = Detokenizer(tok, prompt_ids=[1, 2, 3], stop=stop)
     deltas = []
     for t in ids:
         d = stream.push(t)
@@ -49,7 +49,7 @@ def test_earliest_of_several_stop_strings_wins(tok):
 
 
 def test_text_that_might_start_a_stop_string_is_held_back_then_released(tok):
-    stream = TextStream(tok, prompt_ids=[], stop=("xyz!",))
+    stream = Detokenizer(tok, prompt_ids=[], stop=("xyz!",))
     shown = ""
     for t in tok.encode("abc xy"):
         shown += stream.push(t).text

@@ -110,6 +110,10 @@ class BlockPool:
         self._cached[block_hash] = block
         self._events.append(KVEvent(stored=True, block_hash=block_hash))
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash the prefix cache holds now (a snapshot for a router)."""
+        return list(self._cached)
+
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

@@ -17,15 +17,17 @@ import torch
 
 from common.config import EngineConfig, available_cpus
 from common.engine.block_pool import BlockPool, KVEvent
-from common.engine.handoff import Handoff, build_handoff, live_seqs, rebuild_request
+from common.engine.handoff import Handoff, KVLayout, build_handoff, live_seqs, rebuild_request
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import FinishReason, Request, SeqStatus, Sequence, TokenLogprob
 from common.engine.runner import ModelRunner
 from common.engine.sampler import Sampler
 from common.engine.scheduler import Scheduler
 from common.engine.setup import LoadedModel, load_model, plan_cache
-from common.errors import InvalidRequestError, PromptTooLongError
-from common.model.tokenizer import TextStream
+from common.errors import InvalidRequestError
+from common.hashing import BlockHash
+from common.model.tokenizer import Detokenizer
+from common.rules import blocks_for_tokens, check_context, check_token_ids
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,20 @@ class SeqUpdate:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0  # of the prompt, served from the prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What an engine reports to its service: load, cache and counters so far."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_usage: float  # fraction of blocks held by requests
+    prefix_queries: int  # prompt tokens looked up in the prefix cache, ever
+    prefix_hits: int  # of those, found
+    num_preemptions: int
 
 
 @dataclass(slots=True)
@@ -67,7 +83,7 @@ class RequestOutput:
 @dataclass(slots=True)
 class _Tracked:
     request: Request
-    streams: dict[int, TextStream] = field(default_factory=dict)
+    streams: dict[int, Detokenizer] = field(default_factory=dict)
     texts: dict[int, list[str]] = field(default_factory=dict)
 
 
@@ -147,27 +163,44 @@ class Engine:
         return ready
 
     def add_prefilled(self, handoff: Handoff, payload: list[memoryview]) -> bool:
-        """Take in a request prefilled elsewhere; False when the cache has no room yet."""
+        """Take in a request prefilled elsewhere; False when the cache has no room yet.
+
+        All or nothing: on any error (raised) the engine holds nothing of the request.
+        """
         if handoff.request_id in self._requests:
             raise InvalidRequestError(f"request id {handoff.request_id!r} is already in use")
         request = rebuild_request(handoff, self._check_prompt(handoff.prompt_token_ids, handoff.params))
         live = live_seqs(request)
-        if live:
-            parent, num_prompt = live[0], len(handoff.prompt_token_ids)
-            parent.num_computed_tokens = 0
-            if not self.kv.can_allocate(parent, num_prompt):
-                return False
-            self.kv.allocate(parent, num_prompt)
-            parent.num_computed_tokens = num_prompt
-            self.runner.write_blocks(self.kv.block_ids(parent), payload)
-            self.kv.cache_computed_blocks(parent)
-            for child in live[1:]:
-                self.kv.fork(parent, child)
-            now = time.monotonic()
-            for seq in live:
-                seq.first_token_time = now
-            self.scheduler.add_running(live)
+        if live and not self._take_blocks(live, len(handoff.prompt_token_ids), payload):
+            return False
         self._requests[request.request_id] = _Tracked(request)
+        return True
+
+    def _take_blocks(self, live: list[Sequence], num_prompt: int, payload: list[memoryview]) -> bool:
+        parent = live[0]
+        need = blocks_for_tokens(num_prompt, self.block_size)
+        if need > self.pool.num_blocks:
+            raise InvalidRequestError(f"the prompt needs {need} KV blocks; this worker's cache "
+                                      f"has {self.pool.num_blocks}")
+        if len(payload) != need:
+            raise InvalidRequestError(f"{len(payload)} KV blocks sent for a prompt of {need}")
+        parent.num_computed_tokens = 0
+        if not self.kv.can_allocate(parent, num_prompt):
+            return False
+        self.kv.allocate(parent, num_prompt)
+        try:
+            self.runner.write_blocks(self.kv.block_ids(parent), payload)
+        except BaseException:
+            self.kv.free(parent)
+            raise
+        parent.num_computed_tokens = num_prompt
+        self.kv.cache_computed_blocks(parent)
+        for child in live[1:]:
+            self.kv.fork(parent, child)
+        now = time.monotonic()
+        for seq in live:
+            seq.first_token_time = now
+        self.scheduler.add_running(live)
         return True
 
     def request_ids(self) -> list[str]:
@@ -187,6 +220,33 @@ class Engine:
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.pool.take_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return self.pool.cached_hashes()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(self.num_running, self.num_waiting, self.pool.num_free_blocks,
+                           self.pool.num_blocks, self.pool.usage, s.prefix_queries,
+                           s.prefix_hits, self.scheduler.num_preemptions)
+
+    # ---- KV export (the prefill side of a handoff) -----------------------------------
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.runner.layout
+
+    @property
+    def block_size(self) -> int:
+        return self.config.cache.block_size
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.runner.block_nbytes
+
+    def export_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        """Views of a handoff's blocks; they stay valid until the request is aborted."""
+        return self.runner.block_views(block_ids)
 
     # ---- the step -------------------------------------------------------------------
 
@@ -257,34 +317,20 @@ class Engine:
             return FinishReason.LENGTH, None
         return None, None
 
-    def _stream(self, tracked: _Tracked, seq: Sequence) -> TextStream | None:
+    def _stream(self, tracked: _Tracked, seq: Sequence) -> Detokenizer | None:
         if self.tokenizer is None or not self.detokenize:
             return None
         stream = tracked.streams.get(seq.choice)
         if stream is None:
             p = seq.params
-            stream = TextStream(self.tokenizer, seq.request.prompt_token_ids, p.stop, p.skip_special_tokens)
+            stream = Detokenizer(self.tokenizer, seq.request.prompt_token_ids, p.stop, p.skip_special_tokens)
             tracked.streams[seq.choice] = stream
         return stream
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> int:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.spec.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens but this model's maximum context length is "
-                f"{limit} tokens (--max-model-len), and at least one must be left to generate")
-        if params.max_tokens is None:
-            return limit - len(ids)
-        if len(ids) + params.max_tokens > limit:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
-                f"and max_tokens asks for {params.max_tokens} more")
-        return params.max_tokens
+        """The request's max_tokens, resolved against the context (raises on bad input)."""
+        check_token_ids(ids, self.spec.vocab_size)
+        return check_context(len(ids), params.max_tokens, self.max_model_len)
 
     # ---- results --------------------------------------------------------------------
 

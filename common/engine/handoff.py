@@ -6,6 +6,10 @@ the batch, blocks kept) and ``Handoff`` describes them. After the transfer the p
 engine releases the blocks. The decode engine allocates its own blocks, copies the
 payload in, and its sequences join the running batch with the prompt already computed —
 so the next step computes the first token's KV and samples the second.
+
+This module is also the one place where a ``Handoff`` becomes the wire's ``KVHandoff``
+header and back (``to_wire`` / ``from_wire``): every per-choice field crosses, including
+which choices already finished at their first token.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.request import Request, SeqStatus, Sequence, TokenLogprob
+from common.protocol import KVHandoff
 from common.sampling_params import SamplingParams
 
 
@@ -47,6 +52,42 @@ def build_handoff(request: Request, block_ids: list[int]) -> Handoff:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What a peer's cache must match for blocks to be copied byte for byte."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    element_size: int
+
+    def as_list(self) -> list[int]:
+        return [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                self.element_size]
+
+    def mismatch(self, theirs: Seq[int]) -> str | None:
+        """Why a peer's layout cannot be copied into this one, or None."""
+        if list(theirs) != self.as_list():
+            return f"KV layout {list(theirs)} does not match this worker's {self.as_list()}"
+        return None
+
+
+def to_wire(h: Handoff, transfer_id: str, reply_to: str, layout: KVLayout,
+            block_nbytes: int) -> KVHandoff:
+    """The transfer header for a handoff whose blocks follow as ``len(h.block_ids)`` frames."""
+    return KVHandoff(transfer_id, h.request_id, h.prompt_token_ids, h.first_tokens,
+                     h.first_logprobs, h.generator_states, h.finished, h.params, reply_to,
+                     h.num_cached_tokens, len(h.block_ids), block_nbytes, layout.as_list())
+
+
+def from_wire(header: KVHandoff) -> Handoff:
+    """The decode side's handoff (its blocks are the payload, not ids of this cache)."""
+    return Handoff(header.request_id, header.prompt_token_ids, header.params, [],
+                   header.first_tokens, header.first_logprobs, header.generator_states,
+                   header.finished, header.num_cached_tokens)
+
+
 def rebuild_request(h: Handoff, max_tokens: int) -> Request:
     """The decode side's copy of the request: every choice holds its first token."""
     request = Request(h.request_id, list(h.prompt_token_ids), h.params, max_tokens)
@@ -73,9 +114,3 @@ def live_seqs(request: Request) -> list[Sequence]:
 
 def _state(generator: torch.Generator | None) -> bytes | None:
     return None if generator is None else bytes(generator.get_state().numpy())
-
-
-def check_layout(layout: Seq[int], expected: Seq[int]) -> str | None:
-    if list(layout) != list(expected):
-        return f"KV layout {list(layout)} does not match this worker's {list(expected)}"
-    return None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from common.engine.block_pool import Block, BlockPool
 from common.engine.request import Sequence
-from common.hashing import BlockHash, hash_block
+from common.hashing import BlockHash, hash_prefix_blocks
 
 
 @dataclass(slots=True)
@@ -36,9 +36,6 @@ class KVCacheManager:
 
     def block_ids(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self._tables[seq.seq_id].blocks]
-
-    def holds(self, seq: Sequence) -> bool:
-        return seq.seq_id in self._tables
 
     def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
         """The longest run of leading full blocks already in the prefix cache.
@@ -138,9 +135,8 @@ class KVCacheManager:
     def _hashes(self, seq: Sequence) -> list[BlockHash]:
         """Hashes of the sequence's full blocks, each computed once, when its block fills."""
         hashes = seq.block_hashes
-        parent = hashes[-1] if hashes else None
-        for start in range(len(hashes) * self.block_size, seq.num_tokens - self.block_size + 1,
-                           self.block_size):
-            parent = hash_block(parent, seq.token_ids[start : start + self.block_size])
-            hashes.append(parent)
+        done = len(hashes) * self.block_size
+        if seq.num_tokens - done >= self.block_size:
+            hashes.extend(hash_prefix_blocks(seq.token_ids[done:], self.block_size,
+                                             parent=hashes[-1] if hashes else None))
         return hashes

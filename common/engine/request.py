@@ -14,13 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from common.hashing import BlockHash
+from common.outputs import FinishReason, TokenLogprob
 from common.sampling_params import SamplingParams
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"
 
 
 class SeqStatus(enum.Enum):
@@ -28,13 +23,6 @@ class SeqStatus(enum.Enum):
     RUNNING = "running"
     DETACHED = "detached"  # prefill done, blocks kept for a KV handoff
     FINISHED = "finished"
-
-
-@dataclass(slots=True, frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
 @dataclass(slots=True, eq=False)

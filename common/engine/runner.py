@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.engine.handoff import KVLayout
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import Sequence
 from common.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -87,10 +88,10 @@ class ModelRunner:
                 dst.copy_(torch.from_numpy(src.copy()), non_blocking=False)
 
     @property
-    def layout(self) -> list[int]:
+    def layout(self) -> KVLayout:
         """What a peer's cache must match for blocks to be copied byte for byte."""
         _, layers, _, bs, kvh, dim = self.kv_cache.shape
-        return [layers, bs, kvh, dim, self.kv_cache.element_size()]
+        return KVLayout(layers, bs, kvh, dim, self.kv_cache.element_size())
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> _Inputs:
         # Single-token chunks first: the decode kernel takes them as one batch.

@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from common.model.llama import LlamaModel
 from common.model.spec import ModelSpec
+from kernels.cpu_build import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,6 @@ class ModelSource:
     def hf_config(self) -> dict:
         return json.loads((self.directory / "config.json").read_text())
 
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
 
 
 def default_gguf_path() -> Path:

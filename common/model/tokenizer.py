@@ -1,7 +1,7 @@
 """Tokenizer, chat template and incremental detokenization with stop strings.
 
 ``Tokenizer`` wraps the HF fast tokenizer shipped with the model (and its chat template).
-``TextStream`` turns one sequence's output tokens into text as they arrive: it handles
+``Detokenizer`` turns one sequence's output tokens into text as they arrive: it handles
 multi-byte characters split across tokens, finds stop strings even when they straddle
 token boundaries, and holds back the few characters that could still begin a stop
 string so a streaming client never sees text that is later cut.
@@ -80,7 +80,7 @@ class Delta:
     stop: str | None = None  # the stop string that ended the sequence, if any
 
 
-class TextStream:
+class Detokenizer:
     """Detokenizes one sequence incrementally and watches for stop strings."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),

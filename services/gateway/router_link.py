@@ -31,7 +31,6 @@ from common.protocol import (
     Tokens,
     decode,
     encode,
-    params_to_wire,
 )
 from common.sampling_params import SamplingParams
 
@@ -81,8 +80,7 @@ class RouterLink:
         self._channels[request_id] = channel
         decided = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = decided
-        await self._router.send(encode(Submit(request_id, prompt, params_to_wire(params),
-                                              self.reply_to, time.time())))
+        await self._router.send(encode(Submit(request_id, prompt, params, self.reply_to)))
         try:
             verdict = await asyncio.wait_for(decided, timeout)
         except TimeoutError:

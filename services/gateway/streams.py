@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.model.tokenizer import TextStream, Tokenizer
+from common.model.tokenizer import Detokenizer, Tokenizer
+from common.outputs import TokenLogprob
 from common.protocol import Tokens
 from common.sampling_params import SamplingParams
 
@@ -34,9 +35,9 @@ class ChoiceDelta:
 
 @dataclass(slots=True)
 class _Choice:
-    text_stream: TextStream
+    text_stream: Detokenizer
     next_index: int = 0
-    held: dict[int, tuple[int, list | None, str | None]] = field(default_factory=dict)
+    held: dict[int, tuple[int, TokenLogprob | None, str | None]] = field(default_factory=dict)
     num_tokens: int = 0
     finish_reason: str | None = None
 
@@ -47,7 +48,7 @@ class RequestStream:
         self.params = params
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
-        self._choices = [_Choice(TextStream(tokenizer, prompt_ids, params.stop, params.skip_special_tokens))
+        self._choices = [_Choice(Detokenizer(tokenizer, prompt_ids, params.stop, params.skip_special_tokens))
                          for _ in range(params.n)]
 
     @property
@@ -69,9 +70,10 @@ class RequestStream:
         for i, token in enumerate(msg.token_ids):
             last = i == len(msg.token_ids) - 1
             lp = msg.logprobs[i] if msg.logprobs else None
-            choice.held[msg.index + i] = (token, lp, msg.finish_reason if last else None)
+            reason = msg.finish_reason.value if last and msg.finish_reason else None
+            choice.held[msg.index + i] = (token, lp, reason)
         if not msg.token_ids and msg.finish_reason:  # a bare finish
-            choice.held[msg.index] = (-1, None, msg.finish_reason)
+            choice.held[msg.index] = (-1, None, msg.finish_reason.value)
         delta = self._advance(msg.choice, choice)
         return [delta] if delta is not None else []
 
@@ -94,9 +96,8 @@ class RequestStream:
             return None
         return ChoiceDelta(index, "".join(text), tokens, choice.finish_reason)
 
-    def _token_info(self, token: int, lp: list | None) -> TokenInfo:
+    def _token_info(self, token: int, lp: TokenLogprob | None) -> TokenInfo:
         if lp is None:
             return TokenInfo(token, self._tok.token_text(token), None, [])
-        logprob, top = lp
-        return TokenInfo(token, self._tok.token_text(token), float(logprob),
-                         [(int(t), self._tok.token_text(int(t)), float(v)) for t, v in top])
+        return TokenInfo(token, self._tok.token_text(token), lp.logprob,
+                         [(t, self._tok.token_text(t), v) for t, v in lp.top])

@@ -8,11 +8,13 @@ one function, and no step knows which policy it is part of.
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from common.hashing import BlockHash
+from common.rules import decode_blocks_needed
 from services.router.prefix_index import PrefixIndex
 from services.router.registry import WorkerInfo
 
@@ -110,16 +112,27 @@ def round_robin() -> Step:
     return step
 
 
-def prefill_policy(name: str, index: PrefixIndex, token_budget: int, load_weight: float = 1.0) -> list[Step]:
+class RoutingPolicy(str, enum.Enum):
+    """How the router picks a prefill worker."""
+
+    PREFIX = "prefix"  # the longest cached prefix, weighed against load
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+
+
+def prefill_policy(name: RoutingPolicy | str, index: PrefixIndex, token_budget: int,
+                   load_weight: float = 1.0) -> list[Step]:
+    try:
+        policy = RoutingPolicy(name)
+    except ValueError:
+        choices = ", ".join(p.value for p in RoutingPolicy)
+        raise ValueError(f"unknown routing policy {name!r} ({choices})") from None
     budget = within_token_budget(token_budget)
-    policies = {
-        "prefix": [with_cached_prefix(index), budget, prefix_affinity(load_weight)],
-        "round_robin": [budget, round_robin()],
-        "least_loaded": [budget, least_loaded()],
-    }
-    if name not in policies:
-        raise ValueError(f"unknown routing policy {name!r} ({', '.join(policies)})")
-    return policies[name]
+    if policy is RoutingPolicy.PREFIX:
+        return [with_cached_prefix(index), budget, prefix_affinity(load_weight)]
+    if policy is RoutingPolicy.ROUND_ROBIN:
+        return [budget, round_robin()]
+    return [budget, least_loaded()]
 
 
 # ---- decode steps ---------------------------------------------------------------------
@@ -128,7 +141,7 @@ def has_room_for_prompt() -> Step:
     """The decode worker can take the prompt's blocks plus one for the next token."""
 
     async def step(req: PlacementRequest, cands: list[Candidate]) -> list[Candidate]:
-        need = -(-req.num_prompt_tokens // req.block_size) + 1
+        need = decode_blocks_needed(req.num_prompt_tokens, req.block_size)
         return [c for c in cands if c.worker.available_blocks >= need]
 
     return step

@@ -1,26 +1,22 @@
 """The router's view of its workers: who registered, how loaded they are, who is dead.
 
 Load has two sources. Heartbeats report what a worker itself sees (running, waiting,
-free blocks). The router's own ledger adds what it has sent since: prompt tokens placed
-on a prefill worker and not yet reported done, and blocks promised to a decode worker
-for handoffs still in flight — so two placements in the same instant do not both see
-the same idle worker.
+free blocks); ``services.router.ledger`` adds what the router has placed since, and is
+the only writer of ``outstanding_tokens`` and ``reserved_blocks``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.protocol import Heartbeat, Register
-
-PREFILL_ROLES = ("prefill", "colocated")
-DECODE_ROLES = ("decode", "colocated")
+from common.roles import WorkerRole
 
 
 @dataclass(slots=True, eq=False)
 class WorkerInfo:
     worker_id: str
-    role: str
+    role: WorkerRole
     kv_addr: str | None
     metrics_url: str
     num_blocks: int
@@ -32,15 +28,14 @@ class WorkerInfo:
     free_blocks: int = 0
     outstanding_tokens: int = 0  # prompt tokens placed here, prefill not yet done
     reserved_blocks: int = 0  # decode blocks promised to handoffs not yet arrived
-    requests: set[str] = field(default_factory=set)
 
     @property
     def can_prefill(self) -> bool:
-        return self.role in PREFILL_ROLES
+        return self.role.can_prefill
 
     @property
     def can_decode(self) -> bool:
-        return self.role in DECODE_ROLES
+        return self.role.can_decode
 
     @property
     def available_blocks(self) -> int:
@@ -84,6 +79,6 @@ class Registry:
     def decode_workers(self) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.can_decode]
 
-    def max_model_len(self) -> int:
-        """The smallest context limit among live workers (0 when there are none)."""
-        return min((w.max_model_len for w in self.workers.values()), default=0)
+    def max_model_len(self) -> int | None:
+        """The smallest context limit among live workers (None when there are none)."""
+        return min((w.max_model_len for w in self.workers.values()), default=None)

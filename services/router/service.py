@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from common.errors import InvalidRequestError
 from common.hashing import BlockHash, hash_prefix_blocks
-from common.metrics import MetricsServer
+from common.metrics import LATENCY_BUCKETS, MetricsServer, ServiceHealth
 from common.protocol import (
     Abort,
     Admitted,
@@ -40,8 +41,17 @@ from common.protocol import (
     decode,
     encode,
 )
+from common.roles import FinishStage, WorkerRole
+from common.rules import check_context, check_token_ids, decode_blocks_needed
 from services.router.admission import AdmissionQueue, Refusal
-from services.router.policies import PlacementRequest, decode_policy, place, prefill_policy
+from services.router.ledger import LoadLedger
+from services.router.policies import (
+    PlacementRequest,
+    RoutingPolicy,
+    decode_policy,
+    place,
+    prefill_policy,
+)
 from services.router.prefix_index import PrefixIndex
 from services.router.registry import Registry, WorkerInfo
 
@@ -51,14 +61,21 @@ log = logging.getLogger("tandem.router")
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
     bind: str = "tcp://127.0.0.1:7100"
-    policy: str = "prefix"
+    policy: RoutingPolicy = RoutingPolicy.PREFIX
     token_budget: int = 8192  # outstanding prompt tokens per prefill worker
-    load_weight: float = 1.0
+    load_weight: float = 1.0  # prefix policy: outstanding tokens that cancel one cached token
     max_queue: int = 256
     queue_timeout: float = 60.0
-    heartbeat_timeout: float = 5.0
+    heartbeat_timeout: float = 5.0  # silence after which a worker is declared dead
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", RoutingPolicy(self.policy))
+        if self.token_budget < 1 or self.max_queue < 0 or self.load_weight < 0:
+            raise ValueError("token_budget must be >= 1, max_queue and load_weight >= 0")
+        if self.queue_timeout <= 0 or self.heartbeat_timeout <= 0:
+            raise ValueError("queue_timeout and heartbeat_timeout must be > 0")
 
 
 @dataclass(slots=True, eq=False)
@@ -67,11 +84,6 @@ class Routed:
     gateway: bytes
     arrival: float
     hashes: dict[int, list[BlockHash]] = field(default_factory=dict)  # by block size
-    prefill: str | None = None
-    decode: str | None = None
-    charged_tokens: int = 0
-    reserved_blocks: int = 0
-    prefill_done: bool = False
 
     def block_hashes(self, block_size: int) -> list[BlockHash]:
         if block_size not in self.hashes:
@@ -86,6 +98,7 @@ class RouterService:
         self.index = PrefixIndex()
         self.queue: AdmissionQueue[Routed] = AdmissionQueue(settings.max_queue, settings.queue_timeout)
         self.requests: dict[str, Routed] = {}
+        self.ledger = LoadLedger(self.registry.workers)
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
         self._decode_steps = decode_policy()
@@ -168,14 +181,9 @@ class RouterService:
             await self._send(identity, Rejected(msg.request_id, 400, "duplicate request id"))
             return
         routed = Routed(msg, identity, time.monotonic())
-        limit = self.registry.max_model_len()
-        if not all(0 <= t < 2**32 for t in msg.prompt_token_ids):
-            await self._refuse(routed, Refusal(400, "prompt token ids must be in [0, 2^32)", 0.0))
-        elif not self.registry.prefill_workers():
-            await self._refuse(routed, Refusal(503, "no prefill worker is available", 2.0))
-        elif limit and len(msg.prompt_token_ids) >= limit:
-            await self._refuse(routed, Refusal(400, f"the prompt has {len(msg.prompt_token_ids)} "
-                                                    f"tokens; the workers' limit is {limit}", 0.0))
+        problem = self._unservable(msg)
+        if problem is not None:
+            await self._refuse(routed, problem)
         elif self.queue or not await self._try_place(routed):
             refusal = self.queue.offer(routed, routed.arrival)
             if refusal is not None:
@@ -183,31 +191,47 @@ class RouterService:
             else:
                 self.requests[msg.request_id] = routed
 
+    def _unservable(self, msg: Submit) -> Refusal | None:
+        """Why no worker could ever serve this request now (the same rules as the engine)."""
+        if not self.registry.prefill_workers():
+            return Refusal(503, "no prefill worker is available", 2.0)
+        try:
+            check_token_ids(msg.prompt_token_ids, None)
+            limit = self.registry.max_model_len()
+            if limit is not None:
+                check_context(len(msg.prompt_token_ids), msg.params.max_tokens, limit)
+        except InvalidRequestError as e:
+            return Refusal(400, e.message, 0.0)
+        return None
+
     async def _on_abort(self, identity: bytes, msg: Abort) -> None:
         routed = self.requests.pop(msg.request_id, None)
         if routed is None:
             return
         if self.queue.remove(routed):
             return
-        for worker_id in {routed.prefill, routed.decode} - {None}:
+        for worker_id in self.ledger.release(msg.request_id):
             await self._send(worker_id.encode(), msg)
-        self._release(routed)
 
     async def _on_ping(self, identity: bytes, msg: Ping) -> None:
         reg = self.registry
         await self._send(identity, Status(msg.nonce, len(reg.prefill_workers()), len(reg.decode_workers()),
-                                          len(self.queue), reg.max_model_len()))
+                                          len(self.queue), reg.max_model_len(),
+                                          self.settings.queue_timeout))
 
     async def _on_register(self, identity: bytes, msg: Register) -> None:
-        if msg.block_size < 1 or msg.num_blocks < 1 or msg.role not in ("prefill", "decode", "colocated"):
-            log.warning("ignoring a malformed registration from %s", msg.worker_id)
-            return
         old = self.registry.remove(msg.worker_id)
         if old is not None:  # a restart: whatever it held is gone
             await self._worker_gone(old)
+        if msg.heartbeat_interval * 2 > self.settings.heartbeat_timeout:
+            log.warning("worker %s heartbeats every %g s: the router's --heartbeat-timeout %g s "
+                        "should span at least two", msg.worker_id, msg.heartbeat_interval,
+                        self.settings.heartbeat_timeout)
         self.registry.register(msg, time.monotonic())
         self.index.drop_worker(msg.worker_id)
-        log.info("registered %s worker %s (%d blocks)", msg.role, msg.worker_id, msg.num_blocks)
+        self.index.apply(KVEvents(msg.worker_id, stored=msg.cached_blocks))
+        log.info("registered %s worker %s (%d blocks, %d cached)", msg.role.value, msg.worker_id,
+                 msg.num_blocks, len(msg.cached_blocks))
         await self._drain_queue()
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
@@ -221,20 +245,18 @@ class RouterService:
             self.index.apply(msg)
 
     async def _on_finished(self, identity: bytes, msg: Finished) -> None:
-        routed = self.requests.get(msg.request_id)
-        if routed is None:
+        if msg.request_id not in self.requests:
             return
         if msg.error:
             log.warning("request %s failed on %s: %s", msg.request_id, msg.worker_id, msg.error)
-        if msg.stage == "prefill" and not msg.error:
-            self._release_prefill(routed)
+        if msg.stage is FinishStage.PREFILL and not msg.error:
+            self.ledger.prefill_done(msg.request_id)
         else:
-            other = {routed.prefill, routed.decode} - {None, msg.worker_id}
-            for worker_id in other:
-                if msg.error:
-                    await self._send(worker_id.encode(), Abort(msg.request_id, "peer failed"))
             self.requests.pop(msg.request_id, None)
-            self._release(routed)
+            holders = self.ledger.release(msg.request_id)
+            if msg.error:
+                for worker_id in holders - {msg.worker_id}:
+                    await self._send(worker_id.encode(), Abort(msg.request_id, "peer failed"))
         await self._drain_queue()
 
     # ---- placement ----------------------------------------------------------------
@@ -250,53 +272,23 @@ class RouterService:
         if chosen is None:
             return False
         decode = None
-        if chosen.worker.role == "prefill":
+        if chosen.worker.role is WorkerRole.PREFILL:
             decode = await place(req, self.registry.decode_workers(), self._decode_steps)
             if decode is None:
                 return False
-        self._charge(routed, chosen.worker, chosen.cached_tokens, decode.worker if decode else None, req)
+        tokens = max(req.num_prompt_tokens - chosen.cached_tokens, 1)
+        blocks = decode_blocks_needed(req.num_prompt_tokens, req.block_size)
+        self.ledger.charge(req.request_id, chosen.worker, tokens,
+                           decode.worker if decode else None, blocks)
         submit = routed.submit
         await self._send(chosen.worker.worker_id.encode(), Task(
             submit.request_id, submit.prompt_token_ids, submit.params, submit.reply_to,
-            decode.worker.worker_id if decode else None, decode.worker.kv_addr if decode else None))
+            decode.worker.kv_addr if decode else None))
         await self._send(routed.gateway, Admitted(submit.request_id))
         self.requests[submit.request_id] = routed
         self._placements.labels(chosen.worker.worker_id).inc()
         self._queue_time.observe(time.monotonic() - routed.arrival)
         return True
-
-    def _charge(self, routed: Routed, prefill: WorkerInfo, cached: int, decode: WorkerInfo | None,
-                req: PlacementRequest) -> None:
-        routed.prefill = prefill.worker_id
-        routed.charged_tokens = max(req.num_prompt_tokens - cached, 1)
-        prefill.outstanding_tokens += routed.charged_tokens
-        prefill.requests.add(req.request_id)
-        if decode is not None:
-            routed.decode = decode.worker_id
-            routed.reserved_blocks = -(-req.num_prompt_tokens // req.block_size) + 1
-            decode.reserved_blocks += routed.reserved_blocks
-            decode.requests.add(req.request_id)
-
-    def _release_prefill(self, routed: Routed) -> None:
-        if routed.prefill_done:
-            return
-        routed.prefill_done = True
-        prefill = self.registry.workers.get(routed.prefill or "")
-        if prefill is not None:
-            prefill.outstanding_tokens -= routed.charged_tokens
-            if routed.decode is not None:  # a decode request lives on only at the decode worker
-                prefill.requests.discard(routed.submit.request_id)
-        decode = self.registry.workers.get(routed.decode or "")
-        if decode is not None:
-            decode.reserved_blocks -= routed.reserved_blocks
-        routed.reserved_blocks = 0
-
-    def _release(self, routed: Routed) -> None:
-        self._release_prefill(routed)
-        for worker_id in (routed.prefill, routed.decode):
-            worker = self.registry.workers.get(worker_id or "")
-            if worker is not None:
-                worker.requests.discard(routed.submit.request_id)
 
     async def _drain_queue(self) -> None:
         for routed in list(self.queue.waiting()):
@@ -312,23 +304,19 @@ class RouterService:
 
     async def _worker_gone(self, worker: WorkerInfo) -> None:
         self.index.drop_worker(worker.worker_id)
-        for request_id in list(worker.requests):
+        for request_id in self.ledger.requests_on(worker.worker_id):
             routed = self.requests.pop(request_id, None)
+            holders = self.ledger.release(request_id)
             if routed is None:
                 continue
             await self._send(routed.gateway, Tokens(request_id, 0, 0, [], error=(
                 f"worker {worker.worker_id} failed while serving the request")))
-            for other in {routed.prefill, routed.decode} - {None, worker.worker_id}:
+            for other in holders - {worker.worker_id}:
                 await self._send(other.encode(), Abort(request_id, "peer failed"))
-            self._release(routed)
 
     # ---- metrics ------------------------------------------------------------------
 
     def _init_metrics(self) -> None:
-        from prometheus_client import Histogram
-
-        from common.metrics import LATENCY_BUCKETS
-
         r = self._metrics_registry
         self._queue_len = Gauge("tandem:router_queue_length", "Requests waiting for a worker", registry=r)
         self._workers = Gauge("tandem:router_workers", "Live workers", ["role"], registry=r)
@@ -339,10 +327,12 @@ class RouterService:
 
     def _update_gauges(self) -> None:
         self._queue_len.set(len(self.queue))
-        for role in ("prefill", "decode", "colocated"):
-            self._workers.labels(role).set(sum(w.role == role for w in self.registry.workers.values()))
+        for role in WorkerRole:
+            self._workers.labels(role.value).set(
+                sum(w.role is role for w in self.registry.workers.values()))
 
-    def _health(self) -> tuple[bool, dict]:
+    def _health(self) -> ServiceHealth:
         reg = self.registry
-        return True, {"status": "ok", "prefill_workers": len(reg.prefill_workers()),
-                      "decode_workers": len(reg.decode_workers()), "queue_length": len(self.queue)}
+        return ServiceHealth(True, {"status": "ok", "prefill_workers": len(reg.prefill_workers()),
+                                    "decode_workers": len(reg.decode_workers()),
+                                    "queue_length": len(self.queue)})

@@ -1,7 +1,7 @@
 """What a worker keeps per request besides the engine's state: where its tokens go, and
 the timestamps behind the latency metrics.
 
-``GatewayStreams`` owns one PUSH socket per gateway (connected on first use);
+``GatewayPushers`` owns one PUSH socket per gateway (connected on first use);
 ``RequestClock`` records when a request arrived and produced tokens, and feeds the
 metrics when it finishes.
 """
@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import zmq
 
 from common.engine.engine import SeqUpdate
-from common.engine.request import TokenLogprob
 from common.metrics import RequestMetrics
 from common.protocol import Message, encode
 
 
-class GatewayStreams:
+class GatewayPushers:
     def __init__(self, ctx: zmq.Context) -> None:
         self._ctx = ctx
         self._sockets: dict[str, zmq.Socket] = {}
@@ -45,7 +44,7 @@ class RequestMeta:
     request_id: str
     reply_to: str
     num_prompt_tokens: int
-    handoff: tuple[str | None, str | None]  # (decode worker id, its KV address)
+    handoff_addr: str | None  # prefill side: the decode worker's KV receiver
     arrival: float
     num_cached_tokens: int = 0
     first_token: float | None = None
@@ -57,10 +56,10 @@ class RequestClock:
         self._meta: dict[str, RequestMeta] = {}
 
     def start(self, request_id: str, reply_to: str, num_prompt: int,
-              handoff: tuple[str | None, str | None], cached: int = 0,
+              handoff_addr: str | None = None, cached: int = 0,
               first_token_seen: bool = False) -> RequestMeta:
         now = time.monotonic()
-        meta = RequestMeta(request_id, reply_to, num_prompt, handoff, now, cached,
+        meta = RequestMeta(request_id, reply_to, num_prompt, handoff_addr, now, cached,
                            first_token=now if first_token_seen else None)
         self._meta[request_id] = meta
         return meta
@@ -87,17 +86,3 @@ class RequestClock:
         m.success.labels(reason).inc()
         self.forget(meta.request_id)
 
-
-def logprobs_to_wire(lps: list[TokenLogprob]) -> list[list] | None:
-    if not lps:
-        return None
-    return [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in lps]
-
-
-def logprobs_from_wire(raw: list | None, token_id: int | None = None) -> TokenLogprob | None:
-    """One token's logprob entry from the wire (``token_id`` is filled in by the caller)."""
-    if raw is None:
-        return None
-    logprob, top = raw
-    return TokenLogprob(token_id if token_id is not None else -1, float(logprob),
-                        tuple((int(t), float(v)) for t, v in top))

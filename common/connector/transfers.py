@@ -1,0 +1,113 @@
+"""A worker's bookkeeping of KV transfers, one small object per direction.
+
+``OutgoingTransfers`` (prefill side): every transfer it opens ends exactly once — acked,
+nacked, expired or cancelled — and each end comes back as a ``TransferOutcome`` naming
+the request, so the worker frees that request's blocks exactly once and records the
+bytes and seconds it took. It owns the leases (``LeaseTable``) and the send times.
+
+``IncomingTransfers`` (decode side): transfers that arrived but wait for free cache
+blocks, and the requests aborted before their KV arrived (a late transfer for one of
+those is dropped, never admitted).
+
+Neither touches blocks, sockets or the engine: the worker does what an outcome says.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from common.connector.base import ReceivedTransfer
+from common.connector.lease import Lease, LeaseTable
+from common.protocol import KVAck
+
+MAX_REMEMBERED_ABORTS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOutcome:
+    transfer_id: str
+    request_id: str
+    nbytes: int
+    seconds: float  # from send to this outcome
+    error: str | None = None  # None: the receiver has the bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    nbytes: int
+    started: float
+
+
+class OutgoingTransfers:
+    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._leases = LeaseTable(lease_seconds, clock)
+        self._sent: dict[str, _Sent] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def open(self, transfer_id: str, request_id: str, nbytes: int) -> None:
+        """A transfer was handed to the sender: its blocks are lent until it ends."""
+        self._leases.open(transfer_id, request_id)
+        self._sent[transfer_id] = _Sent(nbytes, self._clock())
+
+    def settle(self, acks: Iterable[KVAck]) -> list[TransferOutcome]:
+        """Outcomes of acks (ok) and nacks (error); acks of unknown transfers are ignored."""
+        out = []
+        for ack in acks:
+            lease = self._leases.settle(ack)
+            if lease is not None:
+                out.append(self._end(lease, None if ack.ok else ack.reason or "refused"))
+        return out
+
+    def expire(self) -> list[TransferOutcome]:
+        """Transfers whose lease ran out unacked: failed."""
+        return [self._end(lease, "KV transfer lease expired") for lease in self._leases.expired()]
+
+    def cancel(self, request_id: str) -> list[TransferOutcome]:
+        """End an aborted request's transfers (the worker frees its blocks with the abort)."""
+        return [self._end(lease, "aborted") for lease in self._leases.cancel(request_id)]
+
+    def _end(self, lease: Lease, error: str | None) -> TransferOutcome:
+        sent = self._sent.pop(lease.transfer_id)
+        return TransferOutcome(lease.transfer_id, lease.request_id, sent.nbytes,
+                               self._clock() - sent.started, error)
+
+
+class IncomingTransfers:
+    def __init__(self, max_remembered_aborts: int = MAX_REMEMBERED_ABORTS) -> None:
+        self._pending: list[ReceivedTransfer] = []
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._max_aborts = max_remembered_aborts
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def arrive(self, transfer: ReceivedTransfer) -> bool:
+        """Queue an arrived transfer; False (dropped) when its request was aborted."""
+        if transfer.header.request_id in self._aborted:
+            return False
+        self._pending.append(transfer)
+        return True
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request's waiting transfer, and any that arrives later."""
+        self._pending = [t for t in self._pending if t.header.request_id != request_id]
+        self._aborted[request_id] = None
+        while len(self._aborted) > self._max_aborts:
+            self._aborted.popitem(last=False)
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def admit(self, try_admit: Callable[[ReceivedTransfer], bool]) -> None:
+        """Offer each waiting transfer, oldest first; keep those ``try_admit`` declines."""
+        self._pending = [t for t in self._pending if not try_admit(t)]
