@@ -1,11 +1,24 @@
-"""Prefill in one engine, decode in another: the same tokens as one engine doing both."""
+"""Prefill in one engine, decode in another: the same tokens as one engine doing both.
+
+The handoff goes through the wire exactly as between two workers: ``to_wire`` → msgpack
+→ ``decode`` (which validates) → ``from_wire``, with the blocks as separate buffers.
+"""
 
 from __future__ import annotations
 
 import pytest
 
+from common.engine.handoff import Handoff, from_wire, to_wire
+from common.protocol import decode as decode_message
+from common.protocol import encode
 from common.sampling_params import SamplingParams
 from tests.conftest import make_engine
+
+
+def over_the_wire(prefill, h: Handoff) -> tuple[Handoff, list[memoryview]]:
+    header = to_wire(h, f"t-{h.request_id}", "tcp://gw:1", prefill.kv_layout, prefill.block_nbytes)
+    blocks = [memoryview(bytes(b)) for b in prefill.export_blocks(h.block_ids)]  # a copy, as sent
+    return from_wire(decode_message(encode(header))), blocks
 
 
 def run_disaggregated(model_dir, prompts, params, decode_blocks=64):
@@ -20,7 +33,7 @@ def run_disaggregated(model_dir, prompts, params, decode_blocks=64):
             if u.finish_reason is not None:
                 prefill.finished_output(u.request_id)
         for h in prefill.take_handoffs():
-            assert decode.add_prefilled(h, prefill.runner.block_views(h.block_ids))
+            assert decode.add_prefilled(*over_the_wire(prefill, h))
             prefill.abort(h.request_id)  # the transfer is done: release the blocks
     assert prefill.pool.num_free_blocks == prefill.pool.num_blocks
     outs = {}
@@ -57,10 +70,41 @@ def test_decode_engine_refuses_when_full_and_keeps_nothing(tiny_model_dir):
         handoffs += prefill.take_handoffs()
     a, b = handoffs
     assert len(a.block_ids) == 3
-    assert decode.add_prefilled(a, prefill.runner.block_views(a.block_ids))
+    assert decode.add_prefilled(*over_the_wire(prefill, a))
     assert decode.pool.num_free_blocks == 1
-    assert not decode.add_prefilled(b, prefill.runner.block_views(b.block_ids))
+    assert not decode.add_prefilled(*over_the_wire(prefill, b))
     assert decode.pool.num_free_blocks == 1 and decode.num_running == 1
     for rid in ("a", "b"):
         prefill.abort(rid)
     assert prefill.pool.num_free_blocks == 16
+
+
+def test_a_choice_that_stopped_at_its_first_token_stays_stopped_after_the_wire(tiny_model_dir):
+    """n=2, seeded, no ignore_eos: one choice's first token is a stop token. The decode
+    side must not revive it (it used to be rebuilt as unfinished and run to max_tokens)."""
+    prompt = list(range(60, 90))
+    probe = SamplingParams(max_tokens=12, temperature=8.0, seed=5, n=2)
+    firsts = [c.token_ids[0] for c in make_engine(tiny_model_dir).generate([prompt], probe)[0].choices]
+    assert firsts[0] != firsts[1], "pick another seed: both choices start alike"
+    params = SamplingParams(max_tokens=12, temperature=8.0, seed=5, n=2, stop_token_ids=(firsts[0],))
+    [expected] = make_engine(tiny_model_dir).generate([prompt], params)
+    assert [len(c.token_ids) for c in expected.choices][0] == 1
+    [got] = run_disaggregated(tiny_model_dir, [prompt], params)
+    assert got == [c.token_ids for c in expected.choices]
+    assert len(got[0]) == 1 and len(got[1]) > 1
+
+
+def test_a_bad_payload_leaves_the_decode_engine_holding_nothing(tiny_model_dir):
+    prefill = make_engine(tiny_model_dir, num_blocks=16)
+    decode = make_engine(tiny_model_dir, num_blocks=16)
+    prefill.add_request(list(range(40)), SamplingParams(max_tokens=4, temperature=0.0), "r",
+                        prefill_only=True)
+    handoffs = []
+    while not handoffs:
+        prefill.step()
+        handoffs = prefill.take_handoffs()
+    h, blocks = over_the_wire(prefill, handoffs[0])
+    with pytest.raises(ValueError, match="KV blocks sent"):
+        decode.add_prefilled(h, blocks[:-1])
+    assert decode.pool.num_free_blocks == 16 and not decode.has_unfinished
+    assert decode.add_prefilled(h, blocks)  # the same handoff, whole, is taken
