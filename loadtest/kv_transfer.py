@@ -144,9 +144,9 @@ def _print(rows: list[Row], args: argparse.Namespace) -> None:
 
 
 def _have_ucxx() -> bool:
-    from common.connector import ucx
+    from common.connector.ucx import ucx_available
 
-    return ucx.ucxx is not None
+    return ucx_available()
 
 
 # ---- one run: receiver process + sender here ------------------------------------------
@@ -242,7 +242,7 @@ def _send_raw_ucxx(job: Job, address: str, blocks: list[np.ndarray],
                    expect: Callable[[str], object]) -> float:
     import ucxx
 
-    from common.connector.ucx import _Loop, parse_address
+    from common.connector.ucx import UcxLoop, parse_address
 
     host, port = parse_address(address)
     views = [memoryview(b) for b in blocks]
@@ -267,7 +267,7 @@ def _send_raw_ucxx(job: Job, address: str, blocks: list[np.ndarray],
         return elapsed
 
     # The connector's loop: ucxx allows one context per process, bound to one loop.
-    return _Loop.get().run(main(), timeout=600)
+    return UcxLoop.get().run(main(), timeout=600)
 
 
 # ---- receiver process ------------------------------------------------------------------
@@ -351,7 +351,7 @@ def _receive_raw_zmq(job: Job, pipe: Connection) -> None:
 def _receive_raw_ucxx(job: Job, pipe: Connection) -> None:
     import ucxx
 
-    from common.connector.ucx import _Loop
+    from common.connector.ucx import UcxLoop
 
     async def main() -> None:
         finished: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -377,7 +377,7 @@ def _receive_raw_ucxx(job: Job, pipe: Connection) -> None:
         await asyncio.to_thread(_linger_for_acks, pipe)
         listener.close()
 
-    _Loop.get().run(main(), timeout=600)
+    UcxLoop.get().run(main(), timeout=600)
 
 
 if __name__ == "__main__":
