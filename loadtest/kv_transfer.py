@@ -188,9 +188,9 @@ def _expect(pipe: Connection, what: str, child: mp.process.BaseProcess, timeout:
 
 def _send_connector(job: Job, address: str, blocks: list[np.ndarray],
                     expect: Callable[[str], object]) -> float:
-    from common.connector.base import make_sender
+    from common.connector import KVTransport, make_sender
 
-    sender = make_sender("ucx" if job.transport == "ucx" else "zmq")
+    sender = make_sender(KVTransport.UCX if job.transport == "ucx" else KVTransport.ZMQ)
     views = [memoryview(b) for b in blocks]
     acked = 0
 
@@ -240,9 +240,8 @@ def _send_raw_zmq(job: Job, address: str, blocks: list[np.ndarray],
 
 def _send_raw_ucxx(job: Job, address: str, blocks: list[np.ndarray],
                    expect: Callable[[str], object]) -> float:
-    import ucxx
-
-    from common.connector.ucx import UcxLoop, parse_address
+    from common.connector.ucx import parse_address
+    from common.connector.ucx.loop import UcxLoop, ucxx  # through loop: it sets UCX_* env first
 
     host, port = parse_address(address)
     views = [memoryview(b) for b in blocks]
@@ -307,9 +306,10 @@ class _Checker:
 
 
 def _receive_connector(job: Job, pipe: Connection) -> None:
-    from common.connector.base import make_receiver
+    from common.connector import KVTransport, make_receiver
 
-    receiver = make_receiver("ucx" if job.transport == "ucx" else "zmq", job.address)
+    kind = KVTransport.UCX if job.transport == "ucx" else KVTransport.ZMQ
+    receiver = make_receiver(kind, job.address)
     pipe.send(("address", receiver.address))
     checker, done = _Checker(job, pipe), False
     try:
@@ -349,9 +349,7 @@ def _receive_raw_zmq(job: Job, pipe: Connection) -> None:
 
 
 def _receive_raw_ucxx(job: Job, pipe: Connection) -> None:
-    import ucxx
-
-    from common.connector.ucx import UcxLoop
+    from common.connector.ucx.loop import UcxLoop, ucxx  # through loop: it sets UCX_* env first
 
     async def main() -> None:
         finished: asyncio.Future = asyncio.get_running_loop().create_future()

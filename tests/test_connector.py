@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import zmq
 
-from common.connector import ucx as ucx_connector  # noqa: F401 - first: it sets UCX_* env before ucxx loads
-from common.connector.base import ReceivedTransfer
+from common.connector import KVTransport, ReceivedTransfer, make_receiver, make_sender
+from common.connector import ucx as ucx_connector  # noqa: F401 - sets UCX_* env before ucxx loads
 from common.connector.lease import LeaseTable
 from common.connector.zmq import ZmqReceiver, ZmqSender
 from common.protocol import KVAck, KVHandoff, decode, encode
@@ -368,6 +368,34 @@ def test_ucx_package_imports_without_ucxx() -> None:
     done = subprocess.run([sys.executable, "-c", NO_UCXX_CHECK], capture_output=True, text=True,
                           timeout=60, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
+
+
+LAZY_IMPORT_CHECK = """
+import sys
+import common.connector
+loaded = [m for m in sys.modules if m.startswith(("common.connector.zmq", "common.connector.ucx"))]
+assert not loaded, loaded
+"""
+
+
+def test_connector_interface_loads_no_transport() -> None:
+    done = subprocess.run([sys.executable, "-c", LAZY_IMPORT_CHECK], capture_output=True, text=True,
+                          timeout=60, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+
+
+def test_factory_takes_the_enum_or_its_value(tmp_path: Path) -> None:
+    for kind in (KVTransport.ZMQ, "zmq"):
+        receiver = make_receiver(kind, f"ipc://{tmp_path}/factory.sock")
+        sender = make_sender(kind)
+        assert isinstance(receiver, ZmqReceiver) and isinstance(sender, ZmqSender)
+        sender.close()
+        receiver.close()
+    for bad in ("tcp", "UCX", ""):
+        with pytest.raises(ValueError, match="unknown KV transport"):
+            make_sender(bad)
+        with pytest.raises(ValueError, match="unknown KV transport"):
+            make_receiver(bad, "tcp://127.0.0.1:0")
 
 
 def test_ucx_address_parsing() -> None:

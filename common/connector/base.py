@@ -23,17 +23,28 @@ Guarantees common to every transport:
   hands the receiver buffers to copy from. Freeing blocks is the workers' business
   (``common.connector.lease`` on the sender side).
 - Neither role blocks the caller except ``poll(timeout_ms)`` when asked to wait.
+
+This module only states the interface; ``common.connector.factory`` builds a transport's
+sender or receiver.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 from common.protocol import KVAck, KVHandoff
 
 MAX_BLOCK_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class KVTransport(str, Enum):
+    """The transports ``common.connector.make_sender``/``make_receiver`` can build."""
+
+    ZMQ = "zmq"  # tcp:// or ipc:// addresses
+    UCX = "ucx"  # ucx://HOST:PORT; needs the optional ucx extra
 
 
 @dataclass(slots=True)
@@ -80,27 +91,3 @@ def check_transfer(header: KVHandoff, frames: Sequence[memoryview]) -> str | Non
     if bad is not None:
         return f"block frame {bad} has {frames[bad].nbytes} bytes, expected {header.block_nbytes}"
     return None
-
-
-def make_sender(kind: str) -> KVSender:
-    if kind == "zmq":
-        from common.connector.zmq import ZmqSender
-
-        return ZmqSender()
-    if kind == "ucx":
-        from common.connector.ucx import UcxSender
-
-        return UcxSender()
-    raise ValueError(f"unknown KV transport {kind!r} (zmq or ucx)")
-
-
-def make_receiver(kind: str, address: str) -> KVReceiver:
-    if kind == "zmq":
-        from common.connector.zmq import ZmqReceiver
-
-        return ZmqReceiver(address)
-    if kind == "ucx":
-        from common.connector.ucx import UcxReceiver
-
-        return UcxReceiver(address)
-    raise ValueError(f"unknown KV transport {kind!r} (zmq or ucx)")
