@@ -23,6 +23,9 @@ Guarantees common to every transport:
   hands the receiver buffers to copy from. Freeing blocks is the workers' business
   (``common.connector.lease`` on the sender side).
 - Neither role blocks the caller except ``poll(timeout_ms)`` when asked to wait.
+- Nothing fails in silence: every failure is logged and handed to the role's optional
+  ``on_error(kind, detail)`` hook from inside its own calls, on the caller's thread
+  (``common.connector.failures``).
 
 This module only states the interface; ``common.connector.factory`` builds a transport's
 sender or receiver.
@@ -55,12 +58,16 @@ class ReceivedTransfer:
 
 
 class KVSender(Protocol):
+    # Longest wait for the next frame of a message already begun, or None when the
+    # transport has none (zmq delivers whole messages): a lease must outlast it.
+    frame_timeout_s: float | None
+
     def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
         """Queue one transfer to the receiver at ``addr``; returns at once."""
         ...
 
     def poll_acks(self) -> list[KVAck]:
-        """Acks (and nacks) that arrived since the last call."""
+        """Acks (and nacks) that arrived since the last call; runs the on_error hook."""
         ...
 
     def close(self) -> None: ...
@@ -71,9 +78,11 @@ class KVReceiver(Protocol):
     arrives, so an idle worker can sleep in one poller instead of polling on a timer."""
 
     address: str  # what senders connect to
+    frame_timeout_s: float | None  # as KVSender's: a stalled transfer is nacked after it
 
     def poll(self, timeout_ms: int = 0) -> list[ReceivedTransfer]:
-        """Transfers that completed since the last call (waits up to ``timeout_ms`` for one)."""
+        """Transfers that completed since the last call (waits up to ``timeout_ms`` for one);
+        runs the on_error hook."""
         ...
 
     def ack(self, transfer: ReceivedTransfer, ok: bool, reason: str = "") -> None: ...

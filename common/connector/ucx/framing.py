@@ -108,7 +108,7 @@ async def recv_blocks(ep: Any, header: KVHandoff, timeout: float) -> list[memory
     return [memoryview(b).toreadonly() for b in bufs]
 
 
-async def _recv_length_prefix(ep: Any) -> int:
+async def recv_length_prefix(ep: Any) -> int:
     """Wait (no deadline, no polling) for the 8-byte length that starts a message."""
     buf = np.zeros(_LEN.size, dtype=np.uint8)  # zeros: a shorter message fills only part
     try:
@@ -120,7 +120,11 @@ async def _recv_length_prefix(ep: Any) -> int:
 
 async def recv_message(ep: Any, frame_timeout: float, transfer_id: str = "") -> np.ndarray:
     """One ``length | bytes`` message of at most MAX_MESSAGE_BYTES."""
-    nbytes = await _recv_length_prefix(ep)
+    return await recv_message_body(ep, await recv_length_prefix(ep), frame_timeout, transfer_id)
+
+
+async def recv_message_body(ep: Any, nbytes: int, frame_timeout: float, transfer_id: str = "") -> np.ndarray:
+    """The ``bytes`` of a message whose length prefix said ``nbytes``."""
     if not 0 < nbytes <= MAX_MESSAGE_BYTES:
         raise Malformed(transfer_id, f"message length {nbytes} outside 1..{MAX_MESSAGE_BYTES}")
     return await _recv_exact(ep, nbytes, frame_timeout, "message", transfer_id)

@@ -22,14 +22,17 @@ import numpy as np
 import zmq
 
 from common.connector.base import MAX_BLOCK_FRAME_BYTES, ReceivedTransfer, check_transfer
+from common.connector.failures import ErrorHook, FailureLog, TransferFailure, log
 from common.connector.ucx.framing import (
     FRAME_TIMEOUT_S,
     Malformed,
     close_endpoint,
+    describe,
     framed,
     parse_address,
     recv_blocks,
-    recv_message,
+    recv_length_prefix,
+    recv_message_body,
     send_in_order,
 )
 from common.connector.ucx.loop import CLOSE_TIMEOUT_S, TaskSet, UcxLoop, ucxx
@@ -42,15 +45,18 @@ class _Connection:
 
     ep: Any
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a reply's 2 messages stay together
+    mid_transfer: bool = False  # a transfer's first message has come, its last not yet
 
 
 class UcxReceiver:
     """``KVReceiver`` over UCX: listens on ``ucx://HOST:PORT`` (port 0 picks a free one)."""
 
-    def __init__(self, address: str, frame_timeout_s: float = FRAME_TIMEOUT_S) -> None:
+    def __init__(self, address: str, frame_timeout_s: float = FRAME_TIMEOUT_S, *,
+                 on_error: ErrorHook | None = None) -> None:
         self._loop = UcxLoop.get()
         host, port = parse_address(address)
-        self._frame_timeout = frame_timeout_s
+        self.frame_timeout_s = frame_timeout_s  # a transfer stalled this long is nacked
+        self._failures = FailureLog(on_error)
         self._ready: queue.SimpleQueue[ReceivedTransfer] = queue.SimpleQueue()
         self._tasks = TaskSet()  # replies
         self._serving: set[asyncio.Task] = set()  # one per connection
@@ -77,6 +83,7 @@ class UcxReceiver:
         with contextlib.suppress(zmq.Again):
             while True:
                 self._wake_rx.recv(zmq.NOBLOCK)
+        self._failures.flush()
         try:
             first = self._ready.get(timeout=timeout_ms / 1000) if timeout_ms > 0 else self._ready.get_nowait()
         except queue.Empty:
@@ -93,6 +100,7 @@ class UcxReceiver:
             return
         reply = KVAck(transfer.header.transfer_id, ok, reason)
         self._loop.call(self._spawn_reply, transfer.peer, reply)
+        self._failures.flush()
 
     def close(self) -> None:
         if self._closed:
@@ -127,11 +135,15 @@ class UcxReceiver:
                 self._deliver(await self._receive_transfer(conn))
         except Malformed as e:
             # The framing is lost: nack, then drop the connection (the sender reconnects).
+            self._failures.report(TransferFailure.BAD_TRANSFER, f"transfer {e.transfer_id!r}: {e.reason}")
             await self._reply(conn, KVAck(e.transfer_id, False, e.reason))
         except asyncio.CancelledError:
             pass  # closing
-        except Exception:  # the sender went away: nobody left to nack
-            pass
+        except Exception as e:  # the sender went away: nobody left to nack
+            if conn.mid_transfer:
+                self._failures.report(TransferFailure.PEER_LOST, f"sender left mid-transfer: {describe(e)}")
+            else:
+                log.info("ucx: a sender left between transfers: %s", describe(e))
         finally:
             # Partial transfers die with _receive_transfer's frame: their buffers are freed.
             self._connections.discard(conn)
@@ -140,15 +152,17 @@ class UcxReceiver:
 
     async def _receive_transfer(self, conn: _Connection) -> ReceivedTransfer:
         ep = conn.ep
-        head = await recv_message(ep, self._frame_timeout)
-        header = self._decode_header(head)
+        nbytes = await recv_length_prefix(ep)  # waits, unbounded, for a sender to begin
+        conn.mid_transfer = True
+        header = self._decode_header(await recv_message_body(ep, nbytes, self.frame_timeout_s))
         tid = header.transfer_id
         if header.block_nbytes > MAX_BLOCK_FRAME_BYTES or header.num_blocks < 0:
             raise Malformed(tid, check_transfer(header, []) or f"bad num_blocks {header.num_blocks}")
-        blocks = await recv_blocks(ep, header, self._frame_timeout)
+        blocks = await recv_blocks(ep, header, self.frame_timeout_s)
         problem = check_transfer(header, blocks)
         if problem:
             raise Malformed(tid, problem)
+        conn.mid_transfer = False
         return ReceivedTransfer(header, blocks, conn)
 
     @staticmethod
@@ -164,14 +178,17 @@ class UcxReceiver:
     def _spawn_reply(self, conn: _Connection, reply: KVAck) -> None:
         if conn in self._connections:
             self._tasks.spawn(self._reply(conn, reply))
+        else:  # the sender left after the transfer arrived; its lease will expire
+            self._failures.report(TransferFailure.REPLY_FAILED,
+                                  f"ack for {reply.transfer_id!r}: the sender's connection is gone")
 
     async def _reply(self, conn: _Connection, reply: KVAck) -> None:
         body = encode(reply)
         try:
             async with conn.send_lock:
                 await send_in_order(conn.ep, framed(body))
-        except Exception:  # the sender is gone; its lease will expire
-            pass
+        except Exception as e:  # the sender is gone; its lease will expire
+            self._failures.report(TransferFailure.REPLY_FAILED, f"ack for {reply.transfer_id!r}: {describe(e)}")
 
     async def _shutdown(self) -> None:
         await self._tasks.cancel_all()

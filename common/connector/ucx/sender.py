@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.connector.failures import ErrorHook, FailureLog, TransferFailure, log
 from common.connector.ucx.framing import (
     FRAME_TIMEOUT_S,
+    Malformed,
     as_bytes_view,
     close_endpoint,
     describe,
@@ -61,10 +63,11 @@ class UcxSender:
     """``KVSender`` over UCX: one endpoint per receiver address, transfers sent in order."""
 
     def __init__(self, frame_timeout_s: float = FRAME_TIMEOUT_S,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, *, on_error: ErrorHook | None = None) -> None:
         self._loop = UcxLoop.get()
-        self._frame_timeout = frame_timeout_s
+        self.frame_timeout_s = frame_timeout_s  # for the rest of an ack once its length arrived
         self._connect_timeout = connect_timeout_s
+        self._failures = FailureLog(on_error)
         self._acks: queue.SimpleQueue[KVAck] = queue.SimpleQueue()
         self._links: dict[str, _Link] = {}  # loop thread only
         self._closed = False
@@ -81,7 +84,9 @@ class UcxSender:
             try:
                 acks.append(self._acks.get_nowait())
             except queue.Empty:
-                return acks
+                break
+        self._failures.flush()
+        return acks
 
     def close(self) -> None:
         if self._closed:
@@ -123,26 +128,41 @@ class UcxSender:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # any failure ends this connection
-            await self._fail(link, f"ucx: connection to {link.addr} failed: {describe(e)}")
+            await self._fail(link, TransferFailure.PEER_LOST, f"ucx: connection to {link.addr} failed: {describe(e)}")
 
     async def _read_acks(self, link: _Link) -> None:
         try:
             while True:
-                body = await recv_message(link.ep, self._frame_timeout)
-                try:
-                    msg = decode(body)
-                except ProtocolError:
-                    continue  # a confused peer: its transfer will hit the lease deadline
-                if isinstance(msg, KVAck):
-                    link.unacked.pop(msg.transfer_id, None)
-                    self._acks.put(msg)
+                ack = self._decode_ack(link, await recv_message(link.ep, self.frame_timeout_s))
+                if ack is not None:
+                    link.unacked.pop(ack.transfer_id, None)
+                    self._acks.put(ack)
         except asyncio.CancelledError:
             raise
+        except Malformed as e:  # the ack stream's framing is lost: so is the connection
+            await self._fail(link, TransferFailure.BAD_ACK, f"ucx: bad ack from {link.addr}: {e.reason}")
         except Exception as e:  # any failure ends this connection
-            await self._fail(link, f"ucx: connection to {link.addr} lost: {describe(e)}")
+            await self._fail(link, TransferFailure.PEER_LOST, f"ucx: connection to {link.addr} lost: {describe(e)}")
 
-    async def _fail(self, link: _Link, reason: str) -> None:
-        """End a connection: nack what it still owed, forget it so the next send reconnects."""
+    def _decode_ack(self, link: _Link, body: Any) -> KVAck | None:
+        # A confused peer whose framing still holds: the transfer it meant will hit its
+        # lease deadline (or be nacked if the connection dies).
+        try:
+            msg = decode(memoryview(body))
+        except ProtocolError as e:
+            self._failures.report(TransferFailure.BAD_ACK, f"from {link.addr}: {e}")
+            return None
+        if not isinstance(msg, KVAck):
+            self._failures.report(TransferFailure.BAD_ACK, f"from {link.addr}: expected kv_ack, got {msg.TAG}")
+            return None
+        return msg
+
+    async def _fail(self, link: _Link, kind: TransferFailure, reason: str) -> None:
+        """End a connection: nack what it still owed, forget it so the next send reconnects.
+
+        Reported as a failure when transfers were owed or the peer misbehaved; a peer
+        that leaves owing nothing (a receiver restarting) is only logged.
+        """
         if link.dead:
             return
         link.dead = True
@@ -158,6 +178,10 @@ class UcxSender:
         if not self._closed:
             for transfer_id in link.unacked:
                 self._acks.put(KVAck(transfer_id, False, reason))
+            if link.unacked or kind is not TransferFailure.PEER_LOST:
+                self._failures.report(kind, f"{reason} ({len(link.unacked)} transfers nacked)")
+            else:
+                log.info("%s (no transfers owed)", reason)
         link.unacked.clear()
 
     async def _shutdown(self) -> None:
