@@ -90,9 +90,13 @@ def source_blocks(n: int, nbytes: int) -> list[np.ndarray]:
     return [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
 
 
+LAYOUT = [30, 16, 3, 64, 4]  # layers, block size (tokens), kv heads, head dim, element size
+
+
 def header(i: int, job: Job) -> KVHandoff:
-    return KVHandoff(f"bench-{i}", f"req-{i}", list(range(384)), [7], [None], [None], {}, "",
-                     0, job.blocks, job.block_bytes, [30, 16, 3, 64, 4])
+    prompt = list(range(job.blocks * LAYOUT[1]))  # exactly fills job.blocks blocks
+    return KVHandoff(f"bench-{i}", f"req-{i}", prompt, [7], [None], [None], {}, "",
+                     0, job.blocks, job.block_bytes, LAYOUT)
 
 
 def run(args: argparse.Namespace) -> int:
