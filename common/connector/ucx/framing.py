@@ -15,13 +15,13 @@ before any memory is allocated for it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import struct
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from common.connector.failures import log
 from common.connector.ucx.loop import ucxx
 from common.protocol import MAX_MESSAGE_BYTES, KVHandoff
 
@@ -141,8 +141,10 @@ async def send_in_order(ep: Any, messages: Sequence[Any]) -> None:
 
 
 async def close_endpoint(ep: Any) -> None:
-    with contextlib.suppress(Exception):  # a dying endpoint may fail to close: gone either way
+    try:
         await ep.close()
+    except Exception as e:  # a dying endpoint may fail to close: gone either way
+        log.debug("ucx: closing an endpoint failed: %s", describe(e))
 
 
 def describe(error: BaseException) -> str:

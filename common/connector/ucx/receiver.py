@@ -106,9 +106,11 @@ class UcxReceiver:
         if self._closed:
             return
         self._closed = True
-        # A stuck or stopped loop means the process is going away anyway.
-        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+        try:
             self._loop.run(self._shutdown(), timeout=CLOSE_TIMEOUT_S + 5)
+        except (concurrent.futures.TimeoutError, RuntimeError) as e:
+            # A stuck or stopped loop means the process is going away anyway.
+            log.warning("ucx: %s did not close cleanly: %s", type(self).__name__, describe(e))
         self._wake_rx.close(linger=0)
 
     # -- loop thread --

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import queue
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,9 +91,11 @@ class UcxSender:
         if self._closed:
             return
         self._closed = True
-        # A stuck or stopped loop means the process is going away anyway.
-        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+        try:
             self._loop.run(self._shutdown(), timeout=CLOSE_TIMEOUT_S + 5)
+        except (concurrent.futures.TimeoutError, RuntimeError) as e:
+            # A stuck or stopped loop means the process is going away anyway.
+            log.warning("ucx: %s did not close cleanly: %s", type(self).__name__, describe(e))
 
     def _send_raw(self, addr: str, transfer_id: str, messages: Sequence[Any]) -> None:
         """Queue raw messages as one transfer (``send`` builds them; tests craft bad ones)."""
