@@ -90,9 +90,13 @@ def source_blocks(n: int, nbytes: int) -> list[np.ndarray]:
     return [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
 
 
+LAYOUT = [30, 16, 3, 64, 4]  # layers, block size (tokens), kv heads, head dim, element size
+
+
 def header(i: int, job: Job) -> KVHandoff:
-    return KVHandoff(f"bench-{i}", f"req-{i}", list(range(384)), [7], [None], [None], {}, "",
-                     0, job.blocks, job.block_bytes, [30, 16, 3, 64, 4])
+    prompt = list(range(job.blocks * LAYOUT[1]))  # exactly fills job.blocks blocks
+    return KVHandoff(f"bench-{i}", f"req-{i}", prompt, [7], [None], [None], {}, "",
+                     0, job.blocks, job.block_bytes, LAYOUT)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,9 +148,9 @@ def _print(rows: list[Row], args: argparse.Namespace) -> None:
 
 
 def _have_ucxx() -> bool:
-    from common.connector import ucx
+    from common.connector.ucx import ucx_available
 
-    return ucx.ucxx is not None
+    return ucx_available()
 
 
 # ---- one run: receiver process + sender here ------------------------------------------
@@ -188,9 +192,9 @@ def _expect(pipe: Connection, what: str, child: mp.process.BaseProcess, timeout:
 
 def _send_connector(job: Job, address: str, blocks: list[np.ndarray],
                     expect: Callable[[str], object]) -> float:
-    from common.connector.base import make_sender
+    from common.connector import KVTransport, make_sender
 
-    sender = make_sender("ucx" if job.transport == "ucx" else "zmq")
+    sender = make_sender(KVTransport.UCX if job.transport == "ucx" else KVTransport.ZMQ)
     views = [memoryview(b) for b in blocks]
     acked = 0
 
@@ -240,9 +244,8 @@ def _send_raw_zmq(job: Job, address: str, blocks: list[np.ndarray],
 
 def _send_raw_ucxx(job: Job, address: str, blocks: list[np.ndarray],
                    expect: Callable[[str], object]) -> float:
-    import ucxx
-
-    from common.connector.ucx import _Loop, parse_address
+    from common.connector.ucx import parse_address
+    from common.connector.ucx.loop import UcxLoop, ucxx  # through loop: it sets UCX_* env first
 
     host, port = parse_address(address)
     views = [memoryview(b) for b in blocks]
@@ -267,7 +270,7 @@ def _send_raw_ucxx(job: Job, address: str, blocks: list[np.ndarray],
         return elapsed
 
     # The connector's loop: ucxx allows one context per process, bound to one loop.
-    return _Loop.get().run(main(), timeout=600)
+    return UcxLoop.get().run(main(), timeout=600)
 
 
 # ---- receiver process ------------------------------------------------------------------
@@ -307,9 +310,10 @@ class _Checker:
 
 
 def _receive_connector(job: Job, pipe: Connection) -> None:
-    from common.connector.base import make_receiver
+    from common.connector import KVTransport, make_receiver
 
-    receiver = make_receiver("ucx" if job.transport == "ucx" else "zmq", job.address)
+    kind = KVTransport.UCX if job.transport == "ucx" else KVTransport.ZMQ
+    receiver = make_receiver(kind, job.address)
     pipe.send(("address", receiver.address))
     checker, done = _Checker(job, pipe), False
     try:
@@ -349,9 +353,7 @@ def _receive_raw_zmq(job: Job, pipe: Connection) -> None:
 
 
 def _receive_raw_ucxx(job: Job, pipe: Connection) -> None:
-    import ucxx
-
-    from common.connector.ucx import _Loop
+    from common.connector.ucx.loop import UcxLoop, ucxx  # through loop: it sets UCX_* env first
 
     async def main() -> None:
         finished: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -377,7 +379,7 @@ def _receive_raw_ucxx(job: Job, pipe: Connection) -> None:
         await asyncio.to_thread(_linger_for_acks, pipe)
         listener.close()
 
-    _Loop.get().run(main(), timeout=600)
+    UcxLoop.get().run(main(), timeout=600)
 
 
 if __name__ == "__main__":

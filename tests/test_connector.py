@@ -1,5 +1,6 @@
 """The KV connector's guarantees (common/connector/base.py), checked on every transport:
-zmq over tcp and ipc, and ucx when ucxx is installed; plus the sender's lease table.
+zmq over tcp and ipc, and ucx (required under CI, skipped locally without ucxx); plus
+the failure reports (on_error) and the sender's lease table.
 
 Waiting is always "poll until a condition holds, within an overall deadline": no sleeps
 as synchronisation and no assertions about how long anything took.
@@ -7,38 +8,73 @@ as synchronisation and no assertions about how long anything took.
 
 from __future__ import annotations
 
-import importlib.util
+import contextlib
+import os
+import select
+import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
 
-from common.connector import ucx as ucx_connector  # noqa: F401 - first: it sets UCX_* env before ucxx loads
-from common.connector.base import ReceivedTransfer
+from common.connector import KVTransport, ReceivedTransfer, make_receiver, make_sender
 from common.connector.lease import LeaseTable
+from common.connector.ucx import ucx_available  # also sets UCX_* env before ucxx loads
 from common.connector.zmq import ZmqReceiver, ZmqSender
 from common.protocol import KVAck, KVHandoff, decode, encode
 
+ROOT = Path(__file__).resolve().parent.parent
 TRANSPORTS = ["zmq-tcp", "zmq-ipc", "ucx"]
 BLOCK = 4096
+LAYOUT = [30, 16, 3, 64, 4]  # layers, block size (tokens), kv heads, head dim, element size
 SMOLLM2_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # layers x (k, v) x tokens x kv heads x dims x fp32
 DEADLINE_S = 10.0
 
 
 def handoff(transfer_id: str, num_blocks: int, block_nbytes: int) -> KVHandoff:
+    """Every test's KVHandoff: one choice, a prompt that fills exactly ``num_blocks``."""
     return KVHandoff(
-        transfer_id=transfer_id, request_id=f"req-{transfer_id}", prompt_token_ids=[1, 2, 3],
+        transfer_id=transfer_id, request_id=f"req-{transfer_id}",
+        prompt_token_ids=list(range(1, num_blocks * LAYOUT[1] + 1)),
         first_tokens=[7], first_logprobs=[None], generator_states=[None],
         params={"max_tokens": 4}, reply_to="tcp://127.0.0.1:1", num_cached_tokens=0,
-        num_blocks=num_blocks, block_nbytes=block_nbytes, layout=[30, 16, 3, 64, 4],
+        num_blocks=num_blocks, block_nbytes=block_nbytes, layout=LAYOUT,
     )
+
+
+def require_ucx() -> None:
+    """UCX tests skip without ucxx, except under CI, where a missing extra is a failure."""
+    if ucx_available():
+        return
+    if os.environ.get("CI"):
+        pytest.fail("ucxx is not installed but CI is set: install the ucx extra (pip install 'tandem[ucx]')")
+    pytest.skip("ucxx is not installed (pip install 'tandem[ucx]')")
+
+
+def kind_of(transport: str) -> KVTransport:
+    return KVTransport.UCX if transport == "ucx" else KVTransport.ZMQ
+
+
+def bind_address(transport: str, tmp_path: Path, name: str) -> str:
+    return {"zmq-tcp": "tcp://127.0.0.1:0", "zmq-ipc": f"ipc://{tmp_path}/{name}.sock",
+            "ucx": "ucx://127.0.0.1:0"}[transport]
+
+
+def poll_until(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {DEADLINE_S} s")
+        time.sleep(0.005)  # pacing a poll loop, not synchronisation
 
 
 def random_blocks(n: int, nbytes: int, seed: int) -> list[np.ndarray]:
@@ -55,6 +91,17 @@ def same_bytes(got: Sequence[memoryview], want: Sequence[np.ndarray]) -> bool:
         np.array_equal(np.frombuffer(g, dtype=np.uint8), w) for g, w in zip(got, want, strict=True))
 
 
+Errors = dict[str, list[tuple[str, str]]]  # "sender"/"receiver" -> on_error calls (kind, detail)
+
+
+def new_errors() -> Errors:
+    return {"sender": [], "receiver": []}
+
+
+def recorder(errors: Errors, role: str) -> Callable[[str, str], None]:
+    return lambda kind, detail: errors[role].append((kind, detail))
+
+
 @dataclass
 class Harness:
     """A sender and a receiver on one transport, plus a low-level way to send garbage."""
@@ -66,6 +113,10 @@ class Harness:
     raw_acks: Callable[[], list[KVAck]]
     received: list[ReceivedTransfer] = field(default_factory=list)
     acks: list[KVAck] = field(default_factory=list)
+    errors: Errors = field(default_factory=new_errors)
+
+    def error_kinds(self, role: str) -> list[str]:
+        return [kind for kind, _ in self.errors[role]]
 
     def send(self, transfer_id: str, blocks: Sequence[np.ndarray]) -> None:
         nbytes = blocks[0].nbytes if blocks else 0
@@ -94,8 +145,9 @@ class Harness:
 
 
 def _zmq_harness(kind: str, address: str) -> Iterator[Harness]:
-    receiver = ZmqReceiver(address)
-    sender = ZmqSender()
+    errors = new_errors()
+    receiver = make_receiver(KVTransport.ZMQ, address, on_error=recorder(errors, "receiver"))
+    sender = make_sender(KVTransport.ZMQ, on_error=recorder(errors, "sender"))
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.connect(receiver.address)
 
@@ -110,24 +162,24 @@ def _zmq_harness(kind: str, address: str) -> Iterator[Harness]:
             out.append(msg)
         return out
 
-    yield Harness(kind, sender, receiver, raw_send, raw_acks)
+    yield Harness(kind, sender, receiver, raw_send, raw_acks, errors=errors)
     raw.close(linger=0)
     sender.close()
     receiver.close()
 
 
-def _ucx_harness() -> Iterator[Harness]:
-    pytest.importorskip("ucxx")
-    from common.connector.ucx import UcxReceiver, UcxSender
-
-    receiver = UcxReceiver("ucx://127.0.0.1:0")
-    sender = UcxSender()
+def _ucx_harness(frame_timeout_s: float | None = None) -> Iterator[Harness]:
+    require_ucx()
+    errors = new_errors()
+    receiver = make_receiver(KVTransport.UCX, "ucx://127.0.0.1:0", frame_timeout_s=frame_timeout_s,
+                             on_error=recorder(errors, "receiver"))
+    sender = make_sender(KVTransport.UCX, on_error=recorder(errors, "sender"))
 
     def raw_send(transfer_id: str, head: bytes, frames: Sequence[bytes | memoryview]) -> None:
         # The same endpoint a real transfer takes, with hand-made messages.
         sender._send_raw(receiver.address, transfer_id, [struct.pack("<Q", len(head)), head, *frames])
 
-    yield Harness("ucx", sender, receiver, raw_send, lambda: [])
+    yield Harness("ucx", sender, receiver, raw_send, lambda: [], errors=errors)
     sender.close()
     receiver.close()
 
@@ -247,6 +299,7 @@ def test_malformed_transfer_is_rejected_and_nacked(harness: Harness, case: str) 
 
     harness.wait(settled, "nack for the bad transfer and an ack for a good one")
 
+    assert harness.error_kinds("receiver") == ["bad_transfer"]  # reported once, as well as nacked
     assert bad not in harness.received_ids()
     nacks = [a for a in harness.acks if a.transfer_id in (bad, "")]
     assert nacks and all(not a.ok and a.reason for a in nacks)
@@ -254,6 +307,79 @@ def test_malformed_transfer_is_rejected_and_nacked(harness: Harness, case: str) 
     assert len(good) == 1 and same_bytes(good[0].blocks, good_blocks)
     if harness.kind != "ucx":
         assert len(harness.received) == 1  # zmq keeps the connection: first good one arrives
+
+
+# ---- (c') a confused receiver's acks are reported -------------------------------------
+
+
+GARBAGE_ACKS = [b"\xc1 not msgpack", encode(handoff("not-an-ack", 1, BLOCK))]
+
+
+@contextlib.contextmanager
+def _zmq_garbage_acker(address: str) -> Iterator[tuple[str, Callable[[], None]]]:
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(address)
+
+    def answer() -> None:  # answers every transfer with GARBAGE_ACKS
+        while sock.poll(0):
+            identity, *_ = sock.recv_multipart()
+            for body in GARBAGE_ACKS:
+                sock.send_multipart([identity, body])
+
+    yield sock.getsockopt_string(zmq.LAST_ENDPOINT), answer
+    sock.close(linger=0)
+
+
+@contextlib.contextmanager
+def _ucx_garbage_acker() -> Iterator[tuple[str, Callable[[], None]]]:
+    require_ucx()
+    from common.connector.ucx import UcxLoop, framed
+    from common.connector.ucx.framing import send_in_order
+    from common.connector.ucx.loop import ucxx
+
+    loop = UcxLoop.get()
+    endpoints: list[object] = []
+
+    async def serve(ep) -> None:  # well-framed garbage, then the endpoint stays open
+        endpoints.append(ep)
+        for body in GARBAGE_ACKS:
+            await send_in_order(ep, framed(body))
+
+    async def listen():
+        return ucxx.create_listener(serve, port=0)
+
+    async def stop() -> None:
+        for ep in endpoints:
+            await ep.close()
+        listener.close()
+
+    listener = loop.run(listen())
+    yield f"ucx://127.0.0.1:{listener.port}", lambda: None
+    loop.run(stop())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_garbage_acks_are_reported(transport: str, tmp_path: Path) -> None:
+    errors = new_errors()
+    acker = (_ucx_garbage_acker() if transport == "ucx"
+             else _zmq_garbage_acker(bind_address(transport, tmp_path, "garbage")))
+    with acker as (address, answer):
+        sender = make_sender(kind_of(transport), on_error=recorder(errors, "sender"))
+        try:
+            sender.send(address, handoff("t-garbage", 1, BLOCK), views(random_blocks(1, BLOCK, seed=6)))
+            acks: list[KVAck] = []
+
+            def reported() -> bool:
+                answer()
+                acks.extend(sender.poll_acks())
+                return len(errors["sender"]) >= len(GARBAGE_ACKS)
+
+            poll_until(reported, "report of both garbage acks")
+            assert [kind for kind, _ in errors["sender"]] == ["bad_ack", "bad_ack"]
+            assert "expected kv_ack" in errors["sender"][1][1]
+            assert acks == []  # neither counts as an ack: the lease will decide
+        finally:
+            sender.close()
 
 
 # ---- (d) real-size blocks ------------------------------------------------------------
@@ -272,6 +398,100 @@ def test_smollm2_sized_transfers(harness: Harness) -> None:
     assert all(a.ok for a in harness.acks)
 
 
+def test_ack_for_a_sender_that_left_is_reported(harness: Harness) -> None:
+    harness.send("t-orphan", random_blocks(1, BLOCK, seed=11))
+    harness.wait(lambda: harness.received, "transfer", auto_ack=False)
+    harness.sender.close()
+    (transfer,) = harness.received
+
+    def reported() -> bool:  # until the receiver has noticed the sender is gone
+        harness.receiver.ack(transfer, ok=True)
+        harness.receiver.poll(timeout_ms=5)
+        return bool(harness.errors["receiver"])
+
+    poll_until(reported, "report of the undeliverable ack")
+    # One report per undeliverable ack (the last loop may have tried twice), nothing else.
+    assert set(harness.error_kinds("receiver")) == {"reply_failed"}
+    assert all("t-orphan" in detail for _, detail in harness.errors["receiver"])
+
+
+# ---- (e) a receiver that vanishes mid-transfer ------------------------------------------
+
+
+DOOMED_RECEIVER = """
+import sys
+from common.connector import make_receiver
+receiver = make_receiver(sys.argv[1], sys.argv[2])
+print(receiver.address, flush=True)
+while True:  # acks only the warm-up: later transfers stay in flight or un-acked until the kill
+    for transfer in receiver.poll(timeout_ms=100):
+        if transfer.header.transfer_id.startswith("warm"):
+            receiver.ack(transfer, ok=True)
+"""
+
+
+def _start_doomed_receiver(transport: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    log = open(tmp_path / "doomed.log", "w")  # noqa: SIM115 - the child's stderr, read on failure
+    child = subprocess.Popen(
+        [sys.executable, "-c", DOOMED_RECEIVER, kind_of(transport).value, bind_address(transport, tmp_path, "doomed")],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    log.close()
+    ready, _, _ = select.select([child.stdout], [], [], DEADLINE_S * 3)  # a fresh interpreter imports numpy, zmq, ucxx
+    if not ready:
+        child.kill()
+        pytest.fail(f"the receiver process printed no address: {(tmp_path / 'doomed.log').read_text()}")
+    return child, child.stdout.readline().strip()
+
+
+def _next_receiver_gets_the_next_transfer(transport: str, tmp_path: Path, sender: object,
+                                          acks: list[KVAck], errors: Errors) -> Harness:
+    """A new receiver at a new address, served by the same sender."""
+    receiver = make_receiver(kind_of(transport), bind_address(transport, tmp_path, "survivor"),
+                             on_error=recorder(errors, "receiver"))
+    h = Harness(transport, sender, receiver, lambda *a: None, lambda: [], acks=acks, errors=errors)
+    after = random_blocks(2, BLOCK, seed=9)
+    try:
+        h.send("after", after)
+        h.wait(lambda: h.ack_for("after") is not None, "ack from the new receiver")
+    finally:
+        receiver.close()
+    assert h.received_ids() == ["after"] and same_bytes(h.received[0].blocks, after)
+    assert h.ack_for("after").ok and errors["receiver"] == []
+    return h
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_receiver_killed_mid_transfer_leaves_the_sender_working(transport: str, tmp_path: Path) -> None:
+    if transport == "ucx":
+        require_ucx()
+    errors = new_errors()
+    sender = make_sender(kind_of(transport), on_error=recorder(errors, "sender"))
+    child, address = _start_doomed_receiver(transport, tmp_path)
+    try:
+        acks: list[KVAck] = []
+        sender.send(address, handoff("warm", 1, BLOCK), views(random_blocks(1, BLOCK, seed=7)))
+        poll_until(lambda: acks.extend(sender.poll_acks()) or acks, "ack for the warm-up")
+        assert acks == [KVAck("warm", True, "")]  # connected: the next transfer rides this connection
+
+        big = random_blocks(24, SMOLLM2_BLOCK, seed=8)
+        sender.send(address, handoff("big", len(big), SMOLLM2_BLOCK), views(big))
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=DEADLINE_S) == -signal.SIGKILL
+
+        if transport == "ucx":  # the dead connection nacks what it owed
+            poll_until(lambda: acks.extend(sender.poll_acks()) or len(acks) > 1, "nack for the big transfer")
+            assert acks[1].transfer_id == "big" and not acks[1].ok and acks[1].reason.startswith("ucx:")
+            assert [kind for kind, _ in errors["sender"]] == ["peer_lost"]
+        h = _next_receiver_gets_the_next_transfer(transport, tmp_path, sender, acks, errors)
+        if transport != "ucx":  # zmq keeps "big" queued for the dead address: no ack, no nack
+            assert h.ack_for("big") is None and errors["sender"] == []
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        sender.close()
+
+
 # ---- ucx specifics -------------------------------------------------------------------
 
 
@@ -283,16 +503,16 @@ def test_smollm2_sized_transfers(harness: Harness) -> None:
 def test_ucx_bad_length_prefix_is_refused(ucx_harness: Harness, prefix: bytes, reason: str) -> None:
     h = ucx_harness
     h.sender._send_raw(h.receiver.address, "huge", [prefix, b"x"])
-    h.wait(lambda: any(reason in a.reason for a in h.acks), f"nack saying {reason!r}")
+    h.wait(lambda: any(reason in a.reason for a in h.acks) and h.errors["receiver"],
+           f"nack saying {reason!r}, and its report")
     assert not h.received
     assert all(not a.ok for a in h.acks)
+    assert h.error_kinds("receiver") == ["bad_transfer"]
 
 
 def test_ucx_transfer_cut_off_midway_is_dropped(ucx_harness: Harness) -> None:
-    from common.connector.ucx import UcxSender
-
     h = ucx_harness
-    quitter = UcxSender()
+    quitter = make_sender(KVTransport.UCX)
     try:
         cut = [struct.pack("<Q", len(head := encode(handoff("cut", 3, BLOCK)))), head, bytes(BLOCK)]
         quitter._send_raw(h.receiver.address, "cut", cut)
@@ -302,36 +522,34 @@ def test_ucx_transfer_cut_off_midway_is_dropped(ucx_harness: Harness) -> None:
         h.send("after", random_blocks(1, BLOCK, seed=5))
         h.wait(lambda: h.ack_for("after") is not None, "a later transfer")
         assert h.received_ids() == ["after"]
+        assert h.error_kinds("receiver") == ["peer_lost"]
     finally:
         quitter.close()
 
 
-def test_ucx_stalled_transfer_is_nacked_after_the_frame_timeout() -> None:
-    pytest.importorskip("ucxx")
-    from common.connector.ucx import UcxReceiver, UcxSender
+@pytest.fixture
+def ucx_impatient_harness() -> Iterator[Harness]:
+    yield from _ucx_harness(frame_timeout_s=0.3)
 
-    receiver = UcxReceiver("ucx://127.0.0.1:0", frame_timeout_s=0.3)
-    sender = UcxSender()
-    h = Harness("ucx", sender, receiver, lambda *a: None, lambda: [])
-    try:
-        head = encode(handoff("stall", 3, BLOCK))
-        sender._send_raw(receiver.address, "stall", [struct.pack("<Q", len(head)), head, bytes(BLOCK)])
-        h.wait(lambda: h.ack_for("stall") is not None, "nack for the stalled transfer")
-        assert not h.received
-        assert not h.ack_for("stall").ok and "did not arrive" in h.ack_for("stall").reason
-    finally:
-        sender.close()
-        receiver.close()
+
+def test_ucx_stalled_transfer_is_nacked_after_the_frame_timeout(ucx_impatient_harness: Harness) -> None:
+    h = ucx_impatient_harness
+    assert h.receiver.frame_timeout_s == 0.3
+    h.raw_send("stall", encode(handoff("stall", 3, BLOCK)), [bytes(BLOCK)])  # 1 block of 3
+    h.wait(lambda: h.ack_for("stall") is not None and h.errors["receiver"], "nack for the stalled transfer")
+    assert not h.received
+    assert not h.ack_for("stall").ok and "did not arrive" in h.ack_for("stall").reason
+    assert h.error_kinds("receiver") == ["bad_transfer"]
 
 
 def test_ucx_unreachable_receiver_is_nacked_locally() -> None:
-    pytest.importorskip("ucxx")
+    require_ucx()
     from common.connector.ucx import UcxSender
 
     with socket.socket() as free:  # a port nobody listens on
         free.bind(("127.0.0.1", 0))
         address = f"ucx://127.0.0.1:{free.getsockname()[1]}"
-    sender = UcxSender(connect_timeout_s=1.0)  # ucxx occasionally waits it out (see ucx.py)
+    sender = UcxSender(connect_timeout_s=1.0)  # ucxx occasionally waits it out (see ucx/sender.py)
     try:
         sender.send(address, handoff("lost", 1, BLOCK), views(random_blocks(1, BLOCK, seed=4)))
         deadline = time.monotonic() + DEADLINE_S
@@ -345,14 +563,57 @@ def test_ucx_unreachable_receiver_is_nacked_locally() -> None:
         sender.close()
 
 
-def test_ucx_module_imports_without_ucxx(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "ucxx", None)  # makes `import ucxx` raise ImportError
-    spec = importlib.util.find_spec("common.connector.ucx")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # a private copy: the real module keeps its ucxx
-    for role in (module.UcxSender, lambda: module.UcxReceiver("ucx://127.0.0.1:0")):
-        with pytest.raises(RuntimeError, match=r"pip install 'tandem\[ucx\]'"):
-            role()
+NO_UCXX_CHECK = """
+import sys
+sys.modules["ucxx"] = None  # makes `import ucxx` raise ImportError
+from common.connector.ucx import UcxReceiver, UcxSender, ucx_available
+assert not ucx_available()
+for role in (UcxSender, lambda: UcxReceiver("ucx://127.0.0.1:0")):
+    try:
+        role()
+    except RuntimeError as e:
+        assert "pip install 'tandem[ucx]'" in str(e), e
+    else:
+        raise AssertionError("constructed without ucxx")
+"""
+
+
+def test_ucx_package_imports_without_ucxx() -> None:
+    # A fresh interpreter: this one has ucxx loaded (and its loop running) already.
+    done = subprocess.run([sys.executable, "-c", NO_UCXX_CHECK], capture_output=True, text=True,
+                          timeout=60, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+
+
+LAZY_IMPORT_CHECK = """
+import sys
+import common.connector
+loaded = [m for m in sys.modules if m.startswith(("common.connector.zmq", "common.connector.ucx"))]
+assert not loaded, loaded
+"""
+
+
+def test_connector_interface_loads_no_transport() -> None:
+    done = subprocess.run([sys.executable, "-c", LAZY_IMPORT_CHECK], capture_output=True, text=True,
+                          timeout=60, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+
+
+def test_factory_takes_the_enum_or_its_value(tmp_path: Path) -> None:
+    for kind in (KVTransport.ZMQ, "zmq"):
+        receiver = make_receiver(kind, f"ipc://{tmp_path}/factory.sock")
+        sender = make_sender(kind)
+        assert isinstance(receiver, ZmqReceiver) and isinstance(sender, ZmqSender)
+        assert receiver.frame_timeout_s is None and sender.frame_timeout_s is None
+        sender.close()
+        receiver.close()
+    for bad in ("tcp", "UCX", ""):
+        with pytest.raises(ValueError, match="unknown KV transport"):
+            make_sender(bad)
+        with pytest.raises(ValueError, match="unknown KV transport"):
+            make_receiver(bad, "tcp://127.0.0.1:0")
+    with pytest.raises(ValueError, match="frame_timeout_s"):
+        make_sender(KVTransport.UCX, frame_timeout_s=0)
 
 
 def test_ucx_address_parsing() -> None:

@@ -1,10 +1,12 @@
 """The KV connector: moves a request's KV blocks from a prefill worker to a decode worker.
 
-``base`` states the two roles (sender, receiver) and what each guarantees; ``zmq`` and
-``ucx`` are the transports; ``lease`` is the sender-side bookkeeping that decides when
-a prefill worker may free the blocks it shipped.
+``base`` states the two roles (sender, receiver), what each guarantees, and the
+``KVTransport`` kinds; ``factory`` builds a transport's role; ``zmq`` and ``ucx`` are the
+transports; ``lease`` is the sender-side bookkeeping that decides when a prefill worker
+may free the blocks it shipped.
 """
 
-from common.connector.base import KVReceiver, KVSender, ReceivedTransfer, make_receiver, make_sender
+from common.connector.base import KVReceiver, KVSender, KVTransport, ReceivedTransfer
+from common.connector.factory import make_receiver, make_sender
 
-__all__ = ["KVReceiver", "KVSender", "ReceivedTransfer", "make_receiver", "make_sender"]
+__all__ = ["KVReceiver", "KVSender", "KVTransport", "ReceivedTransfer", "make_receiver", "make_sender"]

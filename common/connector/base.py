@@ -23,17 +23,31 @@ Guarantees common to every transport:
   hands the receiver buffers to copy from. Freeing blocks is the workers' business
   (``common.connector.lease`` on the sender side).
 - Neither role blocks the caller except ``poll(timeout_ms)`` when asked to wait.
+- Nothing fails in silence: every failure is logged and handed to the role's optional
+  ``on_error(kind, detail)`` hook from inside its own calls, on the caller's thread
+  (``common.connector.failures``).
+
+This module only states the interface; ``common.connector.factory`` builds a transport's
+sender or receiver.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 from common.protocol import KVAck, KVHandoff
 
 MAX_BLOCK_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class KVTransport(str, Enum):
+    """The transports ``common.connector.make_sender``/``make_receiver`` can build."""
+
+    ZMQ = "zmq"  # tcp:// or ipc:// addresses
+    UCX = "ucx"  # ucx://HOST:PORT; needs the optional ucx extra
 
 
 @dataclass(slots=True)
@@ -44,12 +58,16 @@ class ReceivedTransfer:
 
 
 class KVSender(Protocol):
+    # Longest wait for the next frame of a message already begun, or None when the
+    # transport has none (zmq delivers whole messages): a lease must outlast it.
+    frame_timeout_s: float | None
+
     def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
         """Queue one transfer to the receiver at ``addr``; returns at once."""
         ...
 
     def poll_acks(self) -> list[KVAck]:
-        """Acks (and nacks) that arrived since the last call."""
+        """Acks (and nacks) that arrived since the last call; runs the on_error hook."""
         ...
 
     def close(self) -> None: ...
@@ -60,9 +78,11 @@ class KVReceiver(Protocol):
     arrives, so an idle worker can sleep in one poller instead of polling on a timer."""
 
     address: str  # what senders connect to
+    frame_timeout_s: float | None  # as KVSender's: a stalled transfer is nacked after it
 
     def poll(self, timeout_ms: int = 0) -> list[ReceivedTransfer]:
-        """Transfers that completed since the last call (waits up to ``timeout_ms`` for one)."""
+        """Transfers that completed since the last call (waits up to ``timeout_ms`` for one);
+        runs the on_error hook."""
         ...
 
     def ack(self, transfer: ReceivedTransfer, ok: bool, reason: str = "") -> None: ...
@@ -80,27 +100,3 @@ def check_transfer(header: KVHandoff, frames: Sequence[memoryview]) -> str | Non
     if bad is not None:
         return f"block frame {bad} has {frames[bad].nbytes} bytes, expected {header.block_nbytes}"
     return None
-
-
-def make_sender(kind: str) -> KVSender:
-    if kind == "zmq":
-        from common.connector.zmq import ZmqSender
-
-        return ZmqSender()
-    if kind == "ucx":
-        from common.connector.ucx import UcxSender
-
-        return UcxSender()
-    raise ValueError(f"unknown KV transport {kind!r} (zmq or ucx)")
-
-
-def make_receiver(kind: str, address: str) -> KVReceiver:
-    if kind == "zmq":
-        from common.connector.zmq import ZmqReceiver
-
-        return ZmqReceiver(address)
-    if kind == "ucx":
-        from common.connector.ucx import UcxReceiver
-
-        return UcxReceiver(address)
-    raise ValueError(f"unknown KV transport {kind!r} (zmq or ucx)")

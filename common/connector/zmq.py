@@ -5,6 +5,9 @@ delivers a multipart message atomically, so a transfer is whole or absent. The s
 passes the cache blocks' memory with ``copy=False``: the bytes go from the KV cache to
 the socket without an intermediate copy (the lease keeps the blocks alive meanwhile).
 The receiver binds a ROUTER socket; acks go back on it to the sender's DEALER.
+
+A transfer to a receiver that has gone away waits in the DEALER until one binds the
+address again (its lease expires meanwhile); other addresses are not held up.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ from collections.abc import Sequence
 import zmq
 
 from common.connector.base import MAX_BLOCK_FRAME_BYTES, ReceivedTransfer, check_transfer
+from common.connector.failures import ErrorHook, FailureLog, TransferFailure
 from common.protocol import KVAck, KVHandoff, ProtocolError, decode, encode
 
 
 class ZmqSender:
-    def __init__(self, context: zmq.Context | None = None) -> None:
+    frame_timeout_s: float | None = None  # a multipart message arrives whole or not at all
+
+    def __init__(self, context: zmq.Context | None = None, *, on_error: ErrorHook | None = None) -> None:
         self._ctx = context or zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
+        self._failures = FailureLog(on_error)
 
     def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
         sock = self._socket(addr)
@@ -28,20 +35,30 @@ class ZmqSender:
 
     def poll_acks(self) -> list[KVAck]:
         acks = []
-        for sock in self._sockets.values():
+        for addr, sock in self._sockets.items():
             while sock.poll(0):
-                try:
-                    msg = decode(sock.recv())
-                except ProtocolError:
-                    continue  # a confused peer: its transfer will hit the lease deadline
-                if isinstance(msg, KVAck):
-                    acks.append(msg)
+                ack = self._decode_ack(addr, sock.recv())
+                if ack is not None:
+                    acks.append(ack)
+        self._failures.flush()
         return acks
 
     def close(self) -> None:
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
+
+    def _decode_ack(self, addr: str, data: bytes) -> KVAck | None:
+        # A confused peer: the transfer it meant will hit its lease deadline.
+        try:
+            msg = decode(data)
+        except ProtocolError as e:
+            self._failures.report(TransferFailure.BAD_ACK, f"from {addr}: {e}")
+            return None
+        if not isinstance(msg, KVAck):
+            self._failures.report(TransferFailure.BAD_ACK, f"from {addr}: expected kv_ack, got {msg.TAG}")
+            return None
+        return msg
 
     def _socket(self, addr: str) -> zmq.Socket:
         sock = self._sockets.get(addr)
@@ -54,9 +71,14 @@ class ZmqSender:
 
 
 class ZmqReceiver:
-    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+    frame_timeout_s: float | None = None  # a multipart message arrives whole or not at all
+
+    def __init__(self, address: str, context: zmq.Context | None = None, *,
+                 on_error: ErrorHook | None = None) -> None:
         self._ctx = context or zmq.Context.instance()
+        self._failures = FailureLog(on_error)
         self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an ack nobody can take raises, not vanishes
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BLOCK_FRAME_BYTES)  # per frame
         self._sock.setsockopt(zmq.RCVHWM, 0)
         if address.startswith("tcp://") and address.endswith(":0"):
@@ -80,10 +102,12 @@ class ZmqReceiver:
             transfer = self._accept(identity.bytes, head.buffer, [f.buffer.toreadonly() for f in frames])
             if transfer is not None:
                 out.append(transfer)
+        self._failures.flush()
         return out
 
     def ack(self, transfer: ReceivedTransfer, ok: bool, reason: str = "") -> None:
         self._reply(transfer.peer, transfer.header.transfer_id, ok, reason)
+        self._failures.flush()
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -92,16 +116,20 @@ class ZmqReceiver:
         try:
             header = decode(head)
         except ProtocolError as e:
-            self._reply(identity, "", False, str(e))
-            return None
+            return self._reject(identity, "", str(e))
         if not isinstance(header, KVHandoff):
-            self._reply(identity, "", False, f"expected kv_handoff, got {header.TAG}")
-            return None
+            return self._reject(identity, "", f"expected kv_handoff, got {header.TAG}")
         problem = check_transfer(header, frames)
         if problem:
-            self._reply(identity, header.transfer_id, False, problem)
-            return None
+            return self._reject(identity, header.transfer_id, problem)
         return ReceivedTransfer(header, frames, identity)
 
+    def _reject(self, identity: bytes, transfer_id: str, reason: str) -> None:
+        self._failures.report(TransferFailure.BAD_TRANSFER, f"transfer {transfer_id!r}: {reason}")
+        self._reply(identity, transfer_id, False, reason)
+
     def _reply(self, identity: bytes, transfer_id: str, ok: bool, reason: str) -> None:
-        self._sock.send_multipart([identity, encode(KVAck(transfer_id, ok, reason))])
+        try:
+            self._sock.send_multipart([identity, encode(KVAck(transfer_id, ok, reason))], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the sender is gone (or not reading): its lease will expire
+            self._failures.report(TransferFailure.REPLY_FAILED, f"ack for {transfer_id!r}: {e}")

@@ -1,0 +1,103 @@
+"""The process's UCX runtime: the optional ``ucxx`` import and the one asyncio event
+loop, on a daemon thread, that runs every ucxx call.
+
+Why one loop per process and not one per object: ucxx keeps a single application
+context (one UCX worker) per process, and with ``enable_python_future`` its notifier
+thread completes request futures on the loop that created the context. Without that
+option every pending receive busy-polls its loop (``asyncio.sleep(0)``), burning a core
+per idle connection. So the context is created once, inside the shared loop, with
+futures on; the notifier thread then inherits the loop thread's daemon flag and never
+holds up interpreter exit.
+
+Caveats: the loop thread and UCX do not survive ``fork`` (start workers with spawn), and
+ucxx's progress thread makes CUDA device 0 current at start, so on a GPU machine each
+process using this transport holds a CUDA context there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+# UCX warns about every UCX_* variable it does not know, and ucxx sets some at import
+# that this UCX no longer reads; UCX's documented switch turns that off. It only works
+# before ucxx is first imported in the process; setdefault lets a user's choice win.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+try:
+    import ucxx
+except ImportError:  # the optional ``ucx`` extra is not installed
+    ucxx = None
+
+MISSING = "UCX transport needs the ucx extra: pip install 'tandem[ucx]'"
+CLOSE_TIMEOUT_S = 10.0
+
+
+def ucx_available() -> bool:
+    """Whether the optional ucxx package could be imported."""
+    return ucxx is not None
+
+
+class UcxLoop:
+    """The one asyncio loop (daemon thread) that runs every ucxx call in this process."""
+
+    _instance: UcxLoop | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> UcxLoop:
+        if ucxx is None:
+            raise RuntimeError(MISSING)
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="tandem-ucx", daemon=True)
+        self._thread.start()
+        self.run(self._init_ucx())
+
+    @staticmethod
+    async def _init_ucx() -> None:
+        # Inside the loop thread, so ucxx binds its futures to this loop and its
+        # notifier thread is a daemon like this one.
+        with contextlib.suppress(RuntimeError):  # already initialised here: use that context
+            ucxx.init(enable_python_future=True)
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = CLOSE_TIMEOUT_S) -> Any:
+        """Run ``coro`` on the loop and wait for its result (never call from the loop)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+
+class TaskSet:
+    """Strong references to fire-and-forget tasks (asyncio keeps only weak ones)."""
+
+    def __init__(self) -> None:
+        self._live: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._live.add(task)
+        task.add_done_callback(self._live.discard)
+        return task
+
+    def cancel_others(self) -> None:
+        current = asyncio.current_task()
+        for task in list(self._live):
+            if task is not current:
+                task.cancel()
+
+    async def cancel_all(self) -> None:
+        tasks = list(self._live)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
