@@ -38,6 +38,7 @@ import numpy as np
 import zmq
 
 from common.protocol import KVHandoff, encode
+from common.sampling_params import SamplingParams
 
 NUM_BLOCKS = 24
 BLOCK_NBYTES = 30 * 2 * 16 * 3 * 64 * 4  # 737,280
@@ -95,8 +96,8 @@ LAYOUT = [30, 16, 3, 64, 4]  # layers, block size (tokens), kv heads, head dim, 
 
 def header(i: int, job: Job) -> KVHandoff:
     prompt = list(range(job.blocks * LAYOUT[1]))  # exactly fills job.blocks blocks
-    return KVHandoff(f"bench-{i}", f"req-{i}", prompt, [7], [None], [None], {}, "",
-                     0, job.blocks, job.block_bytes, LAYOUT)
+    return KVHandoff(f"bench-{i}", f"req-{i}", prompt, [7], [None], [None], [False],
+                     SamplingParams(), "", 0, job.blocks, job.block_bytes, LAYOUT)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
+    from common.connector import KVTransport
     from services.worker import WorkerSettings as W
 
     p.add_argument("--router", default=env("router", DEFAULT_ROUTER))
@@ -58,8 +59,8 @@ def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
                    help="how peers reach this worker (default: --host, or the hostname for 0.0.0.0)")
     p.add_argument("--metrics-port", type=int, default=env("metrics_port", default_of(W, "metrics_port"), int))
     p.add_argument("--worker-id", default=env("worker_id"))
-    p.add_argument("--kv-transport", default=env("kv_transport", default_of(W, "kv_transport")),
-                   choices=["zmq", "ucx"])
+    p.add_argument("--kv-transport", default=env("kv_transport", default_of(W, "kv_transport").value),
+                   choices=[t.value for t in KVTransport])
     p.add_argument("--kv-port", type=int, default=env("kv_port", 0, int))
     p.add_argument("--kv-address", default=env("kv_address"),
                    help="full KV receiver address instead of host:port, e.g. ipc:///tmp/kv.sock")

@@ -27,7 +27,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from common.addresses import reachable
-from common.connector import ReceivedTransfer, make_receiver, make_sender
+from common.connector import KVTransport, ReceivedTransfer, make_receiver, make_sender
 from common.connector.transfers import IncomingTransfers, OutgoingTransfers, TransferOutcome
 from common.engine.engine import Engine, SeqUpdate
 from common.engine.handoff import from_wire, to_wire
@@ -61,20 +61,30 @@ class WorkerSettings:
     role: WorkerRole
     router: str
     worker_id: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
-    kv_transport: str = "zmq"
+    kv_transport: KVTransport = KVTransport.ZMQ
     kv_bind: str | None = None  # decode/colocated: where the KV receiver binds
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     advertise_host: str = "127.0.0.1"
-    lease_seconds: float = 30.0  # a shipped request's blocks are freed after this unacked
+    lease_seconds: float = 40.0  # unacked this long, a shipped request's blocks are freed (> the
+    # transport's frame timeout, 30 s for UCX, so a slow transfer is never freed mid-send)
     heartbeat_interval: float = 0.25
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", WorkerRole(self.role))
+        object.__setattr__(self, "kv_transport", KVTransport(self.kv_transport))
         if self.lease_seconds <= 0 or self.heartbeat_interval <= 0:
             raise ValueError("lease_seconds and heartbeat_interval must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port {self.metrics_port} is not a port")
+
+
+def _check_lease(lease_seconds: float, frame_timeout_s: float | None) -> None:
+    """A lease shorter than the transport's wait for a frame would free blocks that the
+    transport may still be sending."""
+    if frame_timeout_s is not None and lease_seconds <= frame_timeout_s:
+        raise ValueError(f"--lease-seconds {lease_seconds:g} must exceed the KV transport's "
+                         f"frame timeout of {frame_timeout_s:g} s")
 
 
 class WorkerService:
@@ -91,10 +101,12 @@ class WorkerService:
         self.metrics = EngineMetrics(self._registry)
         self.sender = self.receiver = None
         if settings.role is WorkerRole.PREFILL:
-            self.sender = make_sender(settings.kv_transport)
+            self.sender = make_sender(settings.kv_transport, on_error=self._connector_error)
+            _check_lease(settings.lease_seconds, self.sender.frame_timeout_s)
         else:
             self.receiver = make_receiver(settings.kv_transport,
-                                          settings.kv_bind or "tcp://127.0.0.1:0")
+                                          settings.kv_bind or "tcp://127.0.0.1:0",
+                                          on_error=self._connector_error)
         self.outgoing = OutgoingTransfers(settings.lease_seconds)
         self.incoming = IncomingTransfers()
         self.http = MetricsServer(self._registry, settings.metrics_host, settings.metrics_port,
@@ -109,6 +121,10 @@ class WorkerService:
         self._wakeable = self.receiver is None or wakeup is not None
         self._stats_seen = (0, 0, 0)
         self._stopping = False
+
+    def _connector_error(self, kind: str, detail: str) -> None:
+        """The connector logged a failure; count it (called on this loop's thread)."""
+        self.metrics.kv_failures.labels(kind).inc()
 
     # ---- lifecycle ------------------------------------------------------------------
 

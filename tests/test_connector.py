@@ -31,6 +31,7 @@ from common.connector.lease import LeaseTable
 from common.connector.ucx import ucx_available  # also sets UCX_* env before ucxx loads
 from common.connector.zmq import ZmqReceiver, ZmqSender
 from common.protocol import KVAck, KVHandoff, decode, encode
+from common.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 TRANSPORTS = ["zmq-tcp", "zmq-ipc", "ucx"]
@@ -45,8 +46,8 @@ def handoff(transfer_id: str, num_blocks: int, block_nbytes: int) -> KVHandoff:
     return KVHandoff(
         transfer_id=transfer_id, request_id=f"req-{transfer_id}",
         prompt_token_ids=list(range(1, num_blocks * LAYOUT[1] + 1)),
-        first_tokens=[7], first_logprobs=[None], generator_states=[None],
-        params={"max_tokens": 4}, reply_to="tcp://127.0.0.1:1", num_cached_tokens=0,
+        first_tokens=[7], first_logprobs=[None], generator_states=[None], finished=[False],
+        params=SamplingParams(max_tokens=4), reply_to="tcp://127.0.0.1:1", num_cached_tokens=0,
         num_blocks=num_blocks, block_nbytes=block_nbytes, layout=LAYOUT,
     )
 
