@@ -53,6 +53,11 @@ def message(tag: str, version: int = 1):
     return register
 
 
+def registered() -> dict[str, type[Message]]:
+    """Every message class by tag (a copy)."""
+    return dict(_REGISTRY)
+
+
 def encode(msg: Message) -> bytes:
     values = [_to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)]
     return msgpack.packb([msg.TAG, msg.VERSION, values], use_bin_type=True)

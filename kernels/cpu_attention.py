@@ -66,6 +66,11 @@ def _open(dtype: torch.dtype) -> ctypes._CFuncPtr:
 _loader = cpu_build.Loader("CPU paged attention kernel", _open)  # one variant per dtype
 
 
+
+def forget_builds() -> None:
+    """Forget what was built or loaded, as in a new process (tests of the build path)."""
+    _loader.reset()
+
 def available(cache_dtype: torch.dtype = torch.float32) -> bool:
     """Whether the kernel for caches of ``cache_dtype`` could be built and loaded.
 

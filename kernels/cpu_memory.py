@@ -21,6 +21,11 @@ HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
 
+def huge_pages_supported() -> bool:
+    """Whether this platform lets big buffers ask for transparent huge pages."""
+    return _madvise() is not None
+
+
 @functools.cache
 def _madvise():
     if not sys.platform.startswith("linux"):

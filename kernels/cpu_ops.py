@@ -56,6 +56,11 @@ def _open(_variant: None) -> Kernel:
 _loader = cpu_build.Loader("fused CPU ops", _open)  # one variant: key None
 
 
+
+def forget_builds() -> None:
+    """Forget what was built or loaded, as in a new process (tests of the build path)."""
+    _loader.reset()
+
 def available() -> bool:
     """Whether the kernels could be built and loaded (compiles on the first call)."""
     return _loader.get(None) is not None

@@ -533,3 +533,10 @@ def _check_device(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def interpreted() -> bool:
+    """True when the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_decode_kernel, InterpretedFunction)

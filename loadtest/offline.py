@@ -20,9 +20,9 @@ import time
 import torch
 
 from common.config import available_cpus
+from common.flags import add_engine_flags, engine_config
 from common.sampling_params import SamplingParams
 from loadtest import limits
-from services.flags import add_engine_flags, engine_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """``tandem router|prefill|decode|worker|gateway``: flags and startup of each service.
 
 Every flag reads a ``TANDEM_<FLAG>`` environment variable as its default (see
-``services.flags``), which is how ``compose.yaml`` configures a container. Internal
+``common.flags``), which is how ``compose.yaml`` configures a container. Internal
 services bind to loopback unless told otherwise.
 """
 
@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 
-from services.flags import add_engine_flags, default_of, engine_config, env
+from common.flags import add_engine_flags, default_of, engine_config, env
 
 log = logging.getLogger("tandem")
 

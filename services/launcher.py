@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from common.addresses import free_port
 from common.config import available_cpus
-from services.flags import add_engine_flags
+from common.flags import add_engine_flags
 
 GRACE_SECONDS = 10.0
 
@@ -68,7 +68,7 @@ def engine_argv(args: argparse.Namespace, parser_defaults: dict) -> list[str]:
 
 
 def plan(args: argparse.Namespace, engine_flags: list[str]) -> list[Child]:
-    py = [sys.executable, "-m", "services.cli"]
+    py = [sys.executable, "-m", "cli"]
     router_port, router_metrics = free_port(), free_port()
     router = f"tcp://127.0.0.1:{router_port}"
     children = [Child("router", py + ["router", "--port", str(router_port), "--metrics-port",

@@ -12,9 +12,9 @@ import threading
 import urllib.request
 from dataclasses import dataclass
 
+from cli.main import build_parser
 from common.addresses import free_port
 from services import launcher
-from services.cli import build_parser
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 
 
 def tandem(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=Path(__file__).parent.parent)
 
 

@@ -16,7 +16,7 @@ from common.addresses import free_port
 def test_up_serves_then_stops_every_process(tiny_model_dir):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(tiny_model_dir), "--port", str(port),
+        [sys.executable, "-m", "cli", "up", "--model", str(tiny_model_dir), "--port", str(port),
          "--num-kv-blocks", "256", "--cpu-affinity"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parent.parent)
     lines = []

@@ -161,9 +161,9 @@ def test_simd_build_and_rejected_strides() -> None:
 @pytest.fixture
 def fresh_loader() -> Iterator[None]:
     """The loader as in a new process: nothing built or loaded yet."""
-    cpu_gemm._loader.reset()
+    cpu_gemm.forget_builds()
     yield
-    cpu_gemm._loader.reset()  # what the test built or failed to build is not the real state
+    cpu_gemm.forget_builds()  # what the test built or failed to build is not the real state
 
 
 @pytest.mark.usefixtures("fresh_loader")

@@ -34,7 +34,7 @@ from common.protocol import (
 )
 from common.roles import FinishStage, WorkerRole
 from common.sampling_params import SamplingParams
-from common.wire import _REGISTRY
+from common.wire import registered
 
 PARAMS = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=1234, stop=("\n\n", "###"),
                         stop_token_ids=(2, 7), logprobs=3)
@@ -109,7 +109,7 @@ def with_field(msg: Message, name: str, value) -> bytes:
 # ---- round trips ----------------------------------------------------------------------
 
 def test_every_registered_message_type_has_an_example():
-    assert {type(m) for m in EXAMPLES} == set(_REGISTRY.values())
+    assert {type(m) for m in EXAMPLES} == set(registered().values())
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from services.flags import add_engine_flags, engine_config
+from common.flags import add_engine_flags, engine_config
 
 
 def _quiet_libraries() -> None:

@@ -1,0 +1,83 @@
+"""The import graph points one way: cli → {services, loadtest} → common → kernels.
+
+Checked from the source (ast), so a new import against the grain fails here, not in a
+reviewer's head. Also: nobody imports another module's ``_private`` names.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = {  # package -> packages it must never import
+    "kernels": {"common", "services", "loadtest", "cli"},
+    "common": {"services", "loadtest", "cli"},
+    "services": {"loadtest", "cli"},
+    "loadtest": {"services", "cli"},
+}
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, imported names) for every import statement in the file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, [alias.name for alias in node.names]))
+    return out
+
+
+def sources(*packages: str) -> list[Path]:
+    return sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_no_import_against_the_grain(package: str):
+    bad = [f"{path.relative_to(ROOT)}: {module}" for path in sources(package)
+           for module, _ in imports(path) if module.split(".")[0] in LAYERS[package]]
+    assert bad == []
+
+
+def test_nobody_imports_private_names_of_another_module():
+    bad = []
+    for path in sources("cli", "common", "services", "kernels", "loadtest", "tests"):
+        own = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for module, names in imports(path):
+            if module.split(".")[0] not in LAYERS | {"cli": set(), "tests": set()} or module == own:
+                continue
+            bad += [f"{path.relative_to(ROOT)}: {module}.{n}" for n in names
+                    if n.startswith("_") and not n.startswith("__")]
+    assert bad == []
+
+
+def module_aliases(path: Path) -> set[str]:
+    """Local names bound to project modules (``from services import launcher`` → launcher)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LAYERS:
+            names |= {a.asname or a.name for a in node.names if (ROOT / node.module.replace(".", "/")
+                                                                   / f"{a.name}.py").is_file()}
+        elif isinstance(node, ast.Import):
+            names |= {a.asname for a in node.names if a.asname and a.name.split(".")[0] in LAYERS}
+    return names
+
+
+def test_nobody_reaches_into_another_module_for_private_names():
+    bad = []
+    for path in sources("cli", "common", "services", "kernels", "loadtest", "tests"):
+        aliases = module_aliases(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert bad == []
+
+
+def test_the_connector_interface_does_not_import_its_transports():
+    names = {module for module, _ in imports(ROOT / "common/connector/base.py")}
+    assert not any(m.startswith(("common.connector.zmq", "common.connector.ucx")) for m in names)
