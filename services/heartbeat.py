@@ -33,7 +33,8 @@ class Heartbeater:
 
     def close(self) -> None:
         self._done.set()
-        self._thread.join(timeout=2)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
         self._sock.close(linger=0)
 
     def _run(self) -> None:

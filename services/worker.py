@@ -31,6 +31,7 @@ from common.connector import KVTransport, ReceivedTransfer, make_receiver, make_
 from common.connector.transfers import IncomingTransfers, OutgoingTransfers, TransferOutcome
 from common.engine.engine import Engine, SeqUpdate
 from common.engine.handoff import from_wire, to_wire
+from common.errors import InvalidRequestError
 from common.metrics import EngineMetrics, MetricsServer, ServiceHealth
 from common.protocol import (
     Abort,
@@ -136,7 +137,7 @@ class WorkerService:
                  self.s.worker_id, self.s.router, self.kv_address, self.http.port)
         try:
             while not self._stopping:
-                self._tick()
+                self.tick()
         finally:
             self.close()
 
@@ -160,7 +161,8 @@ class WorkerService:
             return None
         return reachable(self.receiver.address, self.s.advertise_host)
 
-    def _tick(self) -> None:
+    def tick(self) -> None:
+        """One turn of the loop (``run`` repeats it; tests drive it directly)."""
         busy = self.engine.has_unfinished or len(self.incoming) or len(self.outgoing)
         if not busy:
             self._poller.poll(IDLE_WAIT_MS if self._wakeable else IDLE_POLL_MS)
@@ -183,16 +185,23 @@ class WorkerService:
         """
         try:
             work()
-        except Exception as e:
+        except (InvalidRequestError, ProtocolError) as e:  # the sender's fault: one line
+            log.warning("%s refused%s: %s", what, f" for {request_id}" if request_id else "", e)
+            self._handler_failed(what, request_id, reply_to, e, abort)
+        except Exception as e:  # ours: the whole story, and the loop goes on
             log.exception("%s failed%s", what, f" for {request_id}" if request_id else "")
-            self.metrics.handler_errors.labels(what).inc()
-            if request_id is None:
-                return
-            if abort:
-                self.engine.abort(request_id)
-                self.clock.forget(request_id)
-            if reply_to is not None:
-                self._fail(request_id, reply_to, f"{what} failed: {e}")
+            self._handler_failed(what, request_id, reply_to, e, abort)
+
+    def _handler_failed(self, what: str, request_id: str | None, reply_to: str | None,
+                        e: Exception, abort: bool) -> None:
+        self.metrics.handler_errors.labels(what).inc()
+        if request_id is None:
+            return
+        if abort:
+            self.engine.abort(request_id)
+            self.clock.forget(request_id)
+        if reply_to is not None:
+            self._fail(request_id, reply_to, f"{what} failed: {e}")
 
     # ---- control messages -----------------------------------------------------------
 
