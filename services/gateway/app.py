@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,10 +27,12 @@ from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
 from common.protocol import Rejected, Tokens
 from services.gateway import openai_api as api
+from services.gateway.guards import install_guards
 from services.gateway.router_link import RouterLink, RouterUnavailable
 from services.gateway.streams import ChoiceDelta, RequestStream
 
 log = logging.getLogger("tandem.gateway")
+ROUTER_RETRY_AFTER = 2.0  # seconds a client waits before retrying while the router is away
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +93,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.gateway = gw
-
-    @app.exception_handler(api.APIError)
-    async def _api_error(request: Request, e: api.APIError) -> JSONResponse:
-        return error_response(gw, e)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", request.url.path)
-        return error_response(gw, api.APIError.server_error())
+    install_guards(app, settings.api_key, lambda e: error_response(gw, e))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -116,8 +109,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        check_api_key(gw, request)
+    async def models() -> JSONResponse:
         return JSONResponse(api.models_list([gw.model_name], gw.max_model_len, gw.created))
 
     @app.post("/v1/chat/completions")
@@ -137,23 +129,8 @@ def error_response(gw: Gateway, e: api.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-def check_api_key(gw: Gateway, request: Request) -> None:
-    key = gw.settings.api_key
-    if key and request.headers.get("authorization", "") != f"Bearer {key}":
-        raise api.APIError.invalid_api_key()
-
-
-async def read_json(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise api.APIError.invalid(f"the request body is not valid JSON: {e}") from None
-
-
 async def handle(gw: Gateway, request: Request, kind: str) -> Response:
-    check_api_key(gw, request)
-    parsed = gw.parse(kind, await read_json(request))
+    parsed = gw.parse(kind, api.parse_json(await request.body()))
     channel = await admit(gw, parsed)
     stream = RequestStream(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
     run = RequestRun(gw, parsed, stream, channel)
@@ -171,7 +148,8 @@ async def admit(gw: Gateway, parsed: api.ParsedRequest) -> asyncio.Queue[Tokens]
         verdict, channel = await gw.link.submit(parsed.request_id, parsed.prompt_token_ids,
                                                 parsed.params, gw.settings.admission_timeout)
     except RouterUnavailable as e:
-        raise api.APIError.unavailable(f"the service is not available: {e}") from None
+        raise api.APIError.unavailable(f"the service is not available: {e}",
+                                       retry_after=ROUTER_RETRY_AFTER) from None
     if isinstance(verdict, Rejected):
         raise api.APIError(verdict.status, verdict.reason, retry_after=verdict.retry_after,
                            code="rate_limit_exceeded" if verdict.status == 429 else None)

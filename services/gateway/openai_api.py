@@ -29,6 +29,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
@@ -44,6 +45,9 @@ _SAMPLING_KEYS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty
                   "ignore_eos", "stop_token_ids", "skip_special_tokens")
 _UNSUPPORTED_PARTS = ("image_url", "input_audio", "file", "image", "audio", "video")
 _INT64 = 2**63  # params cross the P/D wire as msgpack, which cannot carry larger ints
+# Deeper than any body this API reads (messages.[i].content.[j].text is 5 levels): a cap
+# well below the interpreter's recursion limit, so nothing that walks a value can overflow.
+MAX_JSON_DEPTH = 32
 
 
 class APIError(Exception):
@@ -87,8 +91,8 @@ class APIError(Exception):
         return cls(429, message, code="rate_limit_exceeded")
 
     @classmethod
-    def unavailable(cls, message: str) -> APIError:
-        return cls(503, message)
+    def unavailable(cls, message: str, retry_after: float | None = None) -> APIError:
+        return cls(503, message, retry_after=retry_after)
 
     @classmethod
     def server_error(cls, message: str = "The server had an error while processing your request.") -> APIError:
@@ -120,6 +124,35 @@ class ParsedRequest:
 
 
 # ---------------------------------------------------------------- parsing
+
+
+def parse_json(raw: bytes) -> Any:
+    """The request body as JSON; any bytes at all become a value or an APIError."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:  # json's C parser recurses per level of nesting
+        raise APIError.invalid(f"the request body is nested more than {MAX_JSON_DEPTH} "
+                               "levels deep") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers
+        raise APIError.invalid(f"the request body is not valid JSON: {e}") from None
+    if _depth_exceeds(value, MAX_JSON_DEPTH):
+        raise APIError.invalid(f"the request body is nested more than {MAX_JSON_DEPTH} "
+                               "levels deep")
+    return value
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Iterative, so the check itself cannot recurse too deeply."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                pending.append((child, depth + 1))
+    return False
 
 
 def parse_chat(body: Any, tokenizer: Tokenizer | None, served_model: str, max_model_len: int,
@@ -253,6 +286,8 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | N
         params = SamplingParams.from_dict(raw)
     except SamplingError as e:
         raise APIError.from_invalid_request(e) from e
+    except OverflowError:  # an integer too large for a float field (e.g. temperature 1e400)
+        raise APIError.invalid("a sampling field holds a number too large to use") from None
     if params.seed is not None and not -_INT64 <= params.seed < 2 * _INT64:
         raise APIError.invalid("seed must fit in 64 bits", "seed")
     if params.top_k >= _INT64:

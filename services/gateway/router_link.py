@@ -36,6 +36,7 @@ from common.protocol import (
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("tandem.gateway")
+CONNECT_GRACE_MS = 1000  # how long a message waits for the router's connection to be up
 
 
 class RouterUnavailable(Exception):
@@ -48,6 +49,9 @@ class RouterLink:
         self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
         self._router = self._ctx.socket(zmq.DEALER)
         self._router.setsockopt_string(zmq.IDENTITY, self.gateway_id)
+        # Queue only to a connected router, so a router that is not there shows as a send
+        # that cannot start (see _send) instead of a request waiting out its admission.
+        self._router.setsockopt(zmq.IMMEDIATE, 1)
         self._router.connect(router_addr)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
@@ -81,10 +85,13 @@ class RouterLink:
         self._channels[request_id] = channel
         decided = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = decided
-        await self._router.send(encode(Submit(request_id, prompt, params_to_wire(params),
-                                              self.reply_to, time.time())))
         try:
+            await self._send(Submit(request_id, prompt, params_to_wire(params),
+                                    self.reply_to, time.time()))
             verdict = await asyncio.wait_for(decided, timeout)
+        except RouterUnavailable:
+            self.release(request_id)
+            raise
         except TimeoutError:
             self.release(request_id)
             await self.abort(request_id)
@@ -98,7 +105,10 @@ class RouterLink:
 
     async def abort(self, request_id: str, reason: str = "client") -> None:
         self.release(request_id)
-        await self._router.send(encode(Abort(request_id, reason)))
+        try:
+            await self._send(Abort(request_id, reason))
+        except RouterUnavailable:  # the router has forgotten the request along with us
+            log.info("could not abort %s: the router is not reachable", request_id)
 
     def release(self, request_id: str) -> None:
         """Stop listening for a request (tokens that still arrive are dropped)."""
@@ -108,15 +118,21 @@ class RouterLink:
         nonce = next(self._nonces)
         fut = asyncio.get_running_loop().create_future()
         self._pings[nonce] = fut
-        await self._router.send(encode(Ping(nonce)))
         try:
+            await self._send(Ping(nonce))
             status = await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
+        except (RouterUnavailable, TimeoutError):
             return None
         finally:
             self._pings.pop(nonce, None)
         self.last_status, self.last_status_time = status, time.monotonic()
         return status
+
+    async def _send(self, msg: Message) -> None:
+        """To the router, once connected; the grace covers a connection still being made."""
+        if not await self._router.poll(CONNECT_GRACE_MS, zmq.POLLOUT):
+            raise RouterUnavailable("the router is not reachable")
+        await self._router.send(encode(msg))
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
