@@ -1,4 +1,5 @@
-"""The gateway's OpenAI API without HTTP: request validation and response shapes."""
+"""The gateway's OpenAI API without HTTP: request validation (``parsing``, ``prompts``)
+and response shapes (``responses``)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,15 @@ import pytest
 from common.errors import PromptTooLongError
 from common.model.loader import resolve_model
 from common.model.tokenizer import Tokenizer
-from services.gateway.openai_api import (
+from services.gateway.errors import APIError
+from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion
+from services.gateway.responses import (
     SSE_DONE,
-    APIError,
     ChoiceResult,
     LogprobEntry,
-    ParsedRequest,
     StreamFormatter,
     chat_completion,
     models_list,
-    parse_chat,
-    parse_completion,
     sse,
     text_completion,
     usage,

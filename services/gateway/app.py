@@ -1,10 +1,11 @@
 """The gateway: the OpenAI-compatible HTTP front door (FastAPI).
 
-One request's path: parse and validate (``openai_api``) → submit to the router and wait
+One request's path: parse and validate (``parsing``) → submit to the router and wait
 for admission (429/503 with ``Retry-After`` when refused) → gather tokens from whichever
 workers produce them (``RequestStream`` orders, detokenizes and applies stop strings) →
-answer as JSON or as server-sent events. A client that goes away, a stop string, or a
-timeout aborts the request on every service, so its KV blocks are freed.
+answer as JSON or as server-sent events (``responses``). A client that goes away, a stop
+string, or a timeout aborts the request on every service, so its KV blocks are freed.
+Every error body, and the API key, are ``guards``' business.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from common.model.loader import resolve_model
 from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
 from common.protocol import Rejected, Tokens
-from services.gateway import openai_api as api
+from services.gateway import responses
+from services.gateway.errors import APIError
 from services.gateway.guards import install_guards
+from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
 from services.gateway.router_link import RouterLink, RouterUnavailable
 from services.gateway.streams import ChoiceDelta, RequestStream
 
@@ -72,8 +75,8 @@ class Gateway:
             limits.append(status.max_model_len)
         return min(limits)
 
-    def parse(self, kind: str, body) -> api.ParsedRequest:
-        parse = api.parse_chat if kind == "chat" else api.parse_completion
+    def parse(self, kind: str, body) -> ParsedRequest:
+        parse = parse_chat if kind == "chat" else parse_completion
         return parse(body, self.tokenizer, self.model_name, self.max_model_len,
                      vocab_size=self.spec.vocab_size)
 
@@ -110,7 +113,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(api.models_list([gw.model_name], gw.max_model_len, gw.created))
+        return JSONResponse(responses.models_list([gw.model_name], gw.max_model_len, gw.created))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -123,14 +126,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return app
 
 
-def error_response(gw: Gateway, e: api.APIError) -> JSONResponse:
+def error_response(gw: Gateway, e: APIError) -> JSONResponse:
     gw.http_requests.labels(str(e.status)).inc()
     headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 async def handle(gw: Gateway, request: Request, kind: str) -> Response:
-    parsed = gw.parse(kind, api.parse_json(await request.body()))
+    parsed = gw.parse(kind, parse_json(await request.body()))
     channel = await admit(gw, parsed)
     stream = RequestStream(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
     run = RequestRun(gw, parsed, stream, channel)
@@ -143,15 +146,15 @@ async def handle(gw: Gateway, request: Request, kind: str) -> Response:
     return JSONResponse(body)
 
 
-async def admit(gw: Gateway, parsed: api.ParsedRequest) -> asyncio.Queue[Tokens]:
+async def admit(gw: Gateway, parsed: ParsedRequest) -> asyncio.Queue[Tokens]:
     try:
         verdict, channel = await gw.link.submit(parsed.request_id, parsed.prompt_token_ids,
                                                 parsed.params, gw.settings.admission_timeout)
     except RouterUnavailable as e:
-        raise api.APIError.unavailable(f"the service is not available: {e}",
+        raise APIError.unavailable(f"the service is not available: {e}",
                                        retry_after=ROUTER_RETRY_AFTER) from None
     if isinstance(verdict, Rejected):
-        raise api.APIError(verdict.status, verdict.reason, retry_after=verdict.retry_after,
+        raise APIError(verdict.status, verdict.reason, retry_after=verdict.retry_after,
                            code="rate_limit_exceeded" if verdict.status == 429 else None)
     return channel
 
@@ -159,7 +162,7 @@ async def admit(gw: Gateway, parsed: api.ParsedRequest) -> asyncio.Queue[Tokens]
 class RequestRun:
     """One admitted request until its last token, its failure, or its abort."""
 
-    def __init__(self, gw: Gateway, parsed: api.ParsedRequest, stream: RequestStream,
+    def __init__(self, gw: Gateway, parsed: ParsedRequest, stream: RequestStream,
                  channel: asyncio.Queue[Tokens]) -> None:
         self.gw, self.parsed, self.stream, self.channel = gw, parsed, stream, channel
         self.start = time.monotonic()
@@ -172,7 +175,7 @@ class RequestRun:
         while not self.stream.finished:
             msg = await self._next(request, timeout)
             if msg.error:
-                raise api.APIError.unavailable(msg.error)
+                raise APIError.unavailable(msg.error)
             for delta in self.stream.feed(msg):
                 self._observe(delta, msg)
                 yield delta
@@ -186,7 +189,7 @@ class RequestRun:
                 if await request.is_disconnected():
                     raise ClientGone() from None
                 if time.monotonic() > deadline:
-                    raise api.APIError.unavailable(f"no output for {timeout:g} s") from None
+                    raise APIError.unavailable(f"no output for {timeout:g} s") from None
 
     def _observe(self, delta: ChoiceDelta, msg: Tokens) -> None:
         now = time.monotonic()
@@ -217,27 +220,28 @@ class RequestRun:
             await self._abort()
             raise
         await self._finish()
-        choices = [api.ChoiceResult(i, "".join(texts[i]), reasons.get(i),
+        choices = [responses.ChoiceResult(i, "".join(texts[i]), reasons.get(i),
                                     logprobs[i] if self.parsed.logprobs_mode else None)
                    for i in range(self.parsed.params.n)]
-        build = api.chat_completion if self.parsed.kind == "chat" else api.text_completion
+        chat = self.parsed.kind == "chat"
+        build = responses.chat_completion if chat else responses.text_completion
         return build(self.parsed, choices, self._usage())
 
     async def sse(self, request: Request) -> AsyncIterator[bytes]:
-        fmt = api.StreamFormatter(self.parsed)
+        fmt = responses.StreamFormatter(self.parsed)
         try:
             async for d in self.deltas(request):
                 lps = self._entries(d) if self.parsed.logprobs_mode else None
-                yield api.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason))
+                yield responses.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason))
             usage = fmt.usage_chunk(self._usage())
             if usage is not None:
-                yield api.sse(usage)
-            yield api.SSE_DONE
+                yield responses.sse(usage)
+            yield responses.SSE_DONE
             await self._finish()
-        except api.APIError as e:
+        except APIError as e:
             await self._abort()
-            yield api.sse(e.body())
-            yield api.SSE_DONE
+            yield responses.sse(e.body())
+            yield responses.SSE_DONE
         except (ClientGone, asyncio.CancelledError, GeneratorExit):
             await self._abort()
             raise
@@ -245,12 +249,13 @@ class RequestRun:
             await self._abort()
             raise
 
-    def _entries(self, d: ChoiceDelta) -> list[api.LogprobEntry]:
-        return [api.LogprobEntry(t.token_id, t.text, t.logprob if t.logprob is not None else 0.0,
-                                 tuple(t.top)) for t in d.tokens]
+    def _entries(self, d: ChoiceDelta) -> list[responses.LogprobEntry]:
+        return [responses.LogprobEntry(t.token_id, t.text,
+                                       t.logprob if t.logprob is not None else 0.0, tuple(t.top))
+                for t in d.tokens]
 
     def _usage(self) -> dict:
-        return api.usage(self.stream.num_prompt_tokens, self.stream.num_completion_tokens,
+        return responses.usage(self.stream.num_prompt_tokens, self.stream.num_completion_tokens,
                          self.stream.num_cached_tokens)
 
     async def _finish(self) -> None:

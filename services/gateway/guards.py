@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.openai_api import APIError
+from services.gateway.errors import APIError
 
 log = logging.getLogger("tandem.gateway")
 
