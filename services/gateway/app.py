@@ -2,7 +2,7 @@
 
 One request's path: parse and validate (``parsing``) → submit to the router and wait
 for admission (429/503 with ``Retry-After`` when refused) → gather tokens from whichever
-workers produce them (``RequestStream`` orders, detokenizes and applies stop strings) →
+workers produce them (``ResponseAssembler`` orders, detokenizes and applies stop strings) →
 answer as JSON or as server-sent events (``responses``). A client that goes away, a stop
 string, or a timeout aborts the request on every service, so its KV blocks are freed.
 Every error body, and the API key, are ``guards``' business.
@@ -28,11 +28,11 @@ from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
 from common.protocol import Rejected, Tokens
 from services.gateway import responses
+from services.gateway.assembler import ChoiceDelta, ResponseAssembler
 from services.gateway.errors import APIError
 from services.gateway.guards import install_guards
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
 from services.gateway.router_link import RouterLink, RouterUnavailable
-from services.gateway.streams import ChoiceDelta, RequestStream
 
 log = logging.getLogger("tandem.gateway")
 ROUTER_RETRY_AFTER = 2.0  # seconds a client waits before retrying while the router is away
@@ -135,8 +135,8 @@ def error_response(gw: Gateway, e: APIError) -> JSONResponse:
 async def handle(gw: Gateway, request: Request, kind: str) -> Response:
     parsed = gw.parse(kind, parse_json(await request.body()))
     channel = await admit(gw, parsed)
-    stream = RequestStream(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
-    run = RequestRun(gw, parsed, stream, channel)
+    assembler = ResponseAssembler(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
+    run = RequestRun(gw, parsed, assembler, channel)
     if parsed.stream:
         gw.http_requests.labels("200").inc()
         return StreamingResponse(run.sse(request), media_type="text/event-stream",
@@ -148,23 +148,24 @@ async def handle(gw: Gateway, request: Request, kind: str) -> Response:
 
 async def admit(gw: Gateway, parsed: ParsedRequest) -> asyncio.Queue[Tokens]:
     try:
-        verdict, channel = await gw.link.submit(parsed.request_id, parsed.prompt_token_ids,
-                                                parsed.params, gw.settings.admission_timeout)
+        admission = await gw.link.submit(parsed.request_id, parsed.prompt_token_ids,
+                                         parsed.params, gw.settings.admission_timeout)
     except RouterUnavailable as e:
         raise APIError.unavailable(f"the service is not available: {e}",
-                                       retry_after=ROUTER_RETRY_AFTER) from None
-    if isinstance(verdict, Rejected):
-        raise APIError(verdict.status, verdict.reason, retry_after=verdict.retry_after,
-                           code="rate_limit_exceeded" if verdict.status == 429 else None)
-    return channel
+                                   retry_after=ROUTER_RETRY_AFTER) from None
+    refused = admission.verdict
+    if isinstance(refused, Rejected):
+        raise APIError(refused.status, refused.reason, retry_after=refused.retry_after,
+                       code="rate_limit_exceeded" if refused.status == 429 else None)
+    return admission.channel
 
 
 class RequestRun:
     """One admitted request until its last token, its failure, or its abort."""
 
-    def __init__(self, gw: Gateway, parsed: ParsedRequest, stream: RequestStream,
+    def __init__(self, gw: Gateway, parsed: ParsedRequest, assembler: ResponseAssembler,
                  channel: asyncio.Queue[Tokens]) -> None:
-        self.gw, self.parsed, self.stream, self.channel = gw, parsed, stream, channel
+        self.gw, self.parsed, self.assembler, self.channel = gw, parsed, assembler, channel
         self.start = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -172,11 +173,11 @@ class RequestRun:
 
     async def deltas(self, request: Request) -> AsyncIterator[ChoiceDelta]:
         timeout = self.gw.settings.request_timeout
-        while not self.stream.finished:
+        while not self.assembler.finished:
             msg = await self._next(request, timeout)
             if msg.error:
                 raise APIError.unavailable(msg.error)
-            for delta in self.stream.feed(msg):
+            for delta in self.assembler.feed(msg):
                 self._observe(delta, msg)
                 yield delta
 
@@ -228,7 +229,7 @@ class RequestRun:
         return build(self.parsed, choices, self._usage())
 
     async def sse(self, request: Request) -> AsyncIterator[bytes]:
-        fmt = responses.StreamFormatter(self.parsed)
+        fmt = responses.ChunkFormatter(self.parsed)
         try:
             async for d in self.deltas(request):
                 lps = self._entries(d) if self.parsed.logprobs_mode else None
@@ -255,14 +256,14 @@ class RequestRun:
                 for t in d.tokens]
 
     def _usage(self) -> dict:
-        return responses.usage(self.stream.num_prompt_tokens, self.stream.num_completion_tokens,
-                         self.stream.num_cached_tokens)
+        a = self.assembler
+        return responses.usage(a.num_prompt_tokens, a.num_completion_tokens, a.num_cached_tokens)
 
     async def _finish(self) -> None:
         m = self.gw.metrics
         m.e2e.observe(time.monotonic() - self.start)
-        m.prompt_tokens.inc(self.stream.num_prompt_tokens)
-        m.generation_tokens.inc(self.stream.num_completion_tokens)
+        m.prompt_tokens.inc(self.assembler.num_prompt_tokens)
+        m.generation_tokens.inc(self.assembler.num_completion_tokens)
         m.success.labels("stop" if self.ended_here else "finished").inc()
         if self.ended_here:
             await self.gw.link.abort(self.parsed.request_id, "stop string")

@@ -1,7 +1,7 @@
 """Response bodies of the gateway's OpenAI API, without the web framework.
 
 Full responses (``chat_completion``, ``text_completion``), stream chunks
-(``StreamFormatter`` keeps the little per-choice state a stream needs), logprobs in
+(``ChunkFormatter`` keeps the little per-choice state a stream needs), logprobs in
 the chat and the legacy completions shapes, usage, ``/v1/models`` and SSE framing.
 Everything here is a pure function of a ``ParsedRequest`` and what the workers produced.
 """
@@ -148,7 +148,7 @@ def usage_chunk(req: ParsedRequest, usage_: Mapping[str, Any]) -> dict[str, Any]
     return {**_chunk(req, []), "usage": dict(usage_)}
 
 
-class StreamFormatter:
+class ChunkFormatter:
     """Chunks of one streamed request: the first chunk of each choice carries the role
     (chat) or the echoed prompt (completions); completion text offsets run on."""
 

@@ -1,7 +1,7 @@
 """The gateway's sockets: a DEALER to the router, and a PULL socket workers push tokens to.
 
-``RouterLink`` turns them into awaitables: ``submit`` resolves when the router admits or
-refuses the request, and every admitted request gets a channel (an ``asyncio.Queue`` of
+``RouterLink`` turns them into awaitables: ``submit`` resolves to an ``Admission`` when
+the router admits or refuses the request, and every admitted request gets a channel (an ``asyncio.Queue`` of
 ``Tokens``) that fills as workers produce them — whichever worker that is. Channels are
 created before the submission leaves, so no token can arrive to nobody.
 """
@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -43,6 +44,14 @@ class RouterUnavailable(Exception):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The router's verdict on a submission; only an admitted request has a channel."""
+
+    verdict: Admitted | Rejected
+    channel: asyncio.Queue[Tokens] | None  # None exactly when the verdict is Rejected
+
+
 class RouterLink:
     def __init__(self, router_addr: str, stream_bind: str, advertise_host: str = "127.0.0.1") -> None:
         self._ctx = zmq.asyncio.Context()
@@ -63,7 +72,6 @@ class RouterLink:
         self._nonces = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.last_status: Status | None = None
-        self.last_status_time = 0.0
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read(self._router)),
@@ -79,7 +87,7 @@ class RouterLink:
         self._ctx.term()
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     timeout: float) -> tuple[Message, asyncio.Queue[Tokens] | None]:
+                     timeout: float) -> Admission:
         """Admitted (with the request's channel) or Rejected (channel None)."""
         channel: asyncio.Queue[Tokens] = asyncio.Queue()
         self._channels[request_id] = channel
@@ -100,8 +108,8 @@ class RouterLink:
             self._admissions.pop(request_id, None)
         if isinstance(verdict, Rejected):
             self.release(request_id)
-            return verdict, None
-        return verdict, channel
+            return Admission(verdict, None)
+        return Admission(verdict, channel)
 
     async def abort(self, request_id: str, reason: str = "client") -> None:
         self.release(request_id)
@@ -125,7 +133,7 @@ class RouterLink:
             return None
         finally:
             self._pings.pop(nonce, None)
-        self.last_status, self.last_status_time = status, time.monotonic()
+        self.last_status = status
         return status
 
     async def _send(self, msg: Message) -> None:
