@@ -15,7 +15,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,22 +32,10 @@ from services.gateway.errors import APIError
 from services.gateway.guards import install_guards
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
 from services.gateway.router_link import RouterLink, RouterUnavailable
+from services.gateway.settings import GatewaySettings
 
 log = logging.getLogger("tandem.gateway")
 ROUTER_RETRY_AFTER = 2.0  # seconds a client waits before retrying while the router is away
-
-
-@dataclass(frozen=True, slots=True)
-class GatewaySettings:
-    router: str
-    stream_bind: str = "tcp://127.0.0.1:0"
-    advertise_host: str = "127.0.0.1"
-    api_key: str | None = None
-    model: str | None = None
-    served_model_name: str | None = None
-    max_model_len: int | None = None
-    request_timeout: float = 600.0  # silence from the workers that fails a request
-    admission_timeout: float = 120.0  # must exceed the router's queue timeout
 
 
 class Gateway:
