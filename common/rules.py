@@ -32,7 +32,7 @@ def check_token_ids(ids: Sequence[object], vocab_size: int | None, where: str = 
             raise InvalidRequestError(f"{where} token {i} must be an integer, got {type(t).__name__}",
                                       where)
         if not 0 <= t < bound:
-            raise InvalidRequestError(f"{where} token {i} ({t}) is not a token id: ids are "
+            raise InvalidRequestError(f"{where} token {i} ({t}) is not a token id: token ids are "
                                       f"[0, {bound})", where)
 
 

@@ -6,6 +6,11 @@ order, carries ``text``, ``token_ids``, ``finish_reason`` (and ``logprobs`` when
 or ``choices`` for ``n > 1``, or an ``error`` for a line that could not be served. Bad
 lines are reported on stderr, one line each, and make the exit status 1; the other lines
 are still generated.
+
+A line's JSON and its prompt are judged by the gateway's own parsers
+(``services.gateway.parsing.parse_json`` and ``services.gateway.prompts``), so every
+message shape the HTTP API takes works here too. Sampling fields are not: they go
+straight to ``SamplingParams`` (see ``_submit``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from common.engine.engine import Choice, Engine, RequestOutput
 from common.errors import InvalidRequestError
 from common.model.tokenizer import Tokenizer
 from common.sampling_params import SamplingParams
+from services.gateway.errors import APIError
+from services.gateway.parsing import parse_json
+from services.gateway.prompts import chat_prompt, parse_prompt, parse_token_ids
 
 
 @dataclass(slots=True)
@@ -29,33 +37,21 @@ class _Line:
     error: str | None = None
 
 
-def prompt_token_ids(obj: dict[str, Any], tokenizer: Tokenizer | None) -> list[int]:
-    """The prompt of one request as token ids (chat template, text, or ids as given)."""
+def prompt_token_ids(obj: dict[str, Any], tokenizer: Tokenizer | None,
+                     vocab_size: int | None = None) -> list[int]:
+    """The prompt of one line as token ids: chat template, a prompt, or ids as given."""
     given = [k for k in ("messages", "prompt", "prompt_token_ids") if k in obj]
     if len(given) != 1:
-        raise InvalidRequestError("give exactly one of messages, prompt or prompt_token_ids", "prompt")
+        raise InvalidRequestError("give exactly one of messages, prompt or prompt_token_ids",
+                                  "prompt")
     key = given[0]
-    if key == "prompt_token_ids":
-        ids = obj[key]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InvalidRequestError("prompt_token_ids must be a list of integers", key)
-        return ids
-    if tokenizer is None:
-        raise InvalidRequestError("this model has no tokenizer: send prompt_token_ids", key)
-    if key == "prompt":
-        if not isinstance(obj[key], str):
-            raise InvalidRequestError("prompt must be a string", key)
-        return tokenizer.encode(obj[key])
-    return tokenizer.apply_chat_template(_messages(obj[key]))
-
-
-def _messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise InvalidRequestError("messages must be a non-empty list", "messages")
-    for m in value:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise InvalidRequestError("each message needs a string role and string content", "messages")
-    return value
+    if key == "messages":
+        return chat_prompt(obj[key], tokenizer)
+    if key == "prompt":  # as /v1/completions takes it: text, [text], ids or [ids]
+        return parse_prompt(obj[key], tokenizer, vocab_size).token_ids
+    if not isinstance(obj[key], list):
+        raise InvalidRequestError("prompt_token_ids must be a list of integers", key)
+    return parse_token_ids(obj[key], vocab_size)
 
 
 def run(engine: Engine, lines: list[str], default_max_tokens: int) -> tuple[list[dict], list[str]]:
@@ -75,17 +71,21 @@ def run(engine: Engine, lines: list[str], default_max_tokens: int) -> tuple[list
 
 def _submit(engine: Engine, index: int, line: str, default_max_tokens: int) -> _Line:
     try:
-        obj = json.loads(line)
+        obj = parse_json(line)
         if not isinstance(obj, dict):
             raise InvalidRequestError("each line must be a JSON object")
         obj.setdefault("max_tokens", default_max_tokens)
+        # Not the gateway's sampling checks, on purpose: offline, the CLI keeps
+        # SamplingParams' own limits (16 stop strings where OpenAI allows 4, logprobs up to
+        # 20 for every prompt shape where /v1/completions allows 5), and no int64 bounds,
+        # since these params never cross the msgpack wire. The engine checks the context.
         params = SamplingParams.from_dict(obj)
-        ids = prompt_token_ids(obj, engine.tokenizer)
+        ids = prompt_token_ids(obj, engine.tokenizer, engine.spec.vocab_size)
         return _Line(index, request_id=engine.add_request(ids, params, request_id=f"line-{index}"))
-    except json.JSONDecodeError as e:
-        return _Line(index, error=f"invalid JSON: {e}")
-    except InvalidRequestError as e:
+    except (InvalidRequestError, APIError) as e:
         return _Line(index, error=str(e))
+    except OverflowError:  # SamplingParams.from_dict on an integer too large for a float
+        return _Line(index, error="a sampling field holds a number too large to use")
 
 
 def _record(entry: _Line, results: dict[str, RequestOutput], tok: Tokenizer | None) -> dict:

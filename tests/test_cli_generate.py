@@ -86,6 +86,30 @@ def test_bad_lines_are_reported_and_the_rest_still_runs(tmp_path, tiny_model_dir
     assert [e.split(": ")[2] for e in errors] == ["line 2", "line 3", "line 4", "line 5", "line 6"]
 
 
+def test_the_gateways_message_shapes_work_here_too(tmp_path, tiny_model_dir):
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"messages": [{"role": "user", "content": "hi"}], **greedy},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], **greedy},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        {"prompt": [10, 20, 30], **greedy},  # /v1/completions' token-id prompt
+        {"prompt_token_ids": [10, 20, 30], **greedy},
+        "[" * 100_000,  # a line the JSON parser cannot nest that deep: an error, not a crash
+    ])
+    out = tmp_path / "o.jsonl"
+    proc = tandem("generate", "--model", str(tiny_model_dir), "--prompts", str(prompts),
+                  "--out", str(out), "--num-kv-blocks", "64")
+    assert proc.returncode == 1, proc.stderr
+    rows = read_jsonl(out)
+    assert [("error" in r) for r in rows] == [False, False, True, False, False, True]
+    # One text part is the same prompt as the plain string, so greedy gives the same tokens.
+    assert rows[1]["token_ids"] == rows[0]["token_ids"] and len(rows[0]["token_ids"]) == 4
+    assert rows[1]["usage"]["prompt_tokens"] == rows[0]["usage"]["prompt_tokens"]
+    assert "image_url" in rows[2]["error"] and "not supported" in rows[2]["error"]
+    assert rows[3]["token_ids"] == rows[4]["token_ids"] and rows[3]["usage"]["prompt_tokens"] == 3
+    assert "invalid JSON" in rows[5]["error"]
+
+
 @pytest.mark.parametrize("setup,expected", [
     ("missing", "does not exist"),
     ("gpt2", "unsupported architecture GPT2LMHeadModel"),

@@ -1,4 +1,5 @@
-"""The gateway's OpenAI API without HTTP: request validation and response shapes."""
+"""The gateway's OpenAI API without HTTP: request validation (``parsing``, ``prompts``)
+and response shapes (``responses``)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,15 @@ import pytest
 from common.errors import PromptTooLongError
 from common.model.loader import resolve_model
 from common.model.tokenizer import Tokenizer
-from services.gateway.openai_api import (
+from services.gateway.errors import APIError
+from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion
+from services.gateway.responses import (
     SSE_DONE,
-    APIError,
     ChoiceResult,
+    ChunkFormatter,
     LogprobEntry,
-    ParsedRequest,
-    StreamFormatter,
     chat_completion,
     models_list,
-    parse_chat,
-    parse_completion,
     sse,
     text_completion,
     usage,
@@ -178,7 +177,7 @@ def test_error_types():
     assert APIError.unavailable("no workers").type == "service_unavailable_error"
     assert APIError.server_error().status == 500
     assert APIError.server_error().type == "server_error"
-    e = APIError.from_invalid_request(PromptTooLongError("too long"))
+    e = APIError.from_invalid_request(PromptTooLongError("too long", "messages"))
     assert (e.status, e.param, e.code) == (400, "messages", "context_length_exceeded")
 
 
@@ -377,7 +376,7 @@ def test_text_completion_shape(tok):
 
 def test_chat_stream_chunks(tok):
     req = _stream_req(tok, "chat", include_usage=True)
-    f = StreamFormatter(req)
+    f = ChunkFormatter(req)
     first, second, last = f.chunk(0, "Hel"), f.chunk(0, "lo"), f.chunk(0, "", finish_reason="stop")
     other = f.chunk(1, "")
     for ch in (first, second, last, other):
@@ -396,16 +395,16 @@ def test_chat_stream_chunks(tok):
 
 
 def test_stream_without_usage_has_no_usage_key(tok):
-    f = StreamFormatter(_stream_req(tok, "chat", include_usage=False))
+    f = ChunkFormatter(_stream_req(tok, "chat", include_usage=False))
     assert "usage" not in f.chunk(0, "x")
     assert f.usage_chunk(usage(1, 1)) is None
-    c = StreamFormatter(_stream_req(tok, "completion", include_usage=False)).chunk(0, "x")
+    c = ChunkFormatter(_stream_req(tok, "completion", include_usage=False)).chunk(0, "x")
     assert set(c) == {"id", "object", "created", "model", "choices"}
 
 
 def test_completion_stream_chunks(tok):
     req = _stream_req(tok, "completion", include_usage=True, echo=True)
-    f = StreamFormatter(req)
+    f = ChunkFormatter(req)
     first = f.chunk(0, " there")
     assert set(first) == {"id", "object", "created", "model", "choices", "usage"}
     assert first["object"] == "text_completion" and first["usage"] is None
@@ -414,7 +413,7 @@ def test_completion_stream_chunks(tok):
     assert f.chunk(0, " was", finish_reason="length")["choices"][0]["text"] == " was"
     assert f.usage_chunk(usage(4, 2))["choices"] == []
 
-    f = StreamFormatter(_stream_req(tok, "completion", include_usage=False, logprobs=1))
+    f = ChunkFormatter(_stream_req(tok, "completion", include_usage=False, logprobs=1))
     f.chunk(0, "Hi", [ENTRY])
     lp = f.chunk(0, "Hi", [ENTRY])["choices"][0]["logprobs"]
     assert lp["text_offset"] == [2] and lp["tokens"] == ["Hi"]

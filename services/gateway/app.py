@@ -1,21 +1,20 @@
 """The gateway: the OpenAI-compatible HTTP front door (FastAPI).
 
-One request's path: parse and validate (``openai_api``) → submit to the router and wait
+One request's path: parse and validate (``parsing``) → submit to the router and wait
 for admission (429/503 with ``Retry-After`` when refused) → gather tokens from whichever
-workers produce them (``RequestStream`` orders, detokenizes and applies stop strings) →
-answer as JSON or as server-sent events. A client that goes away, a stop string, or a
-timeout aborts the request on every service, so its KV blocks are freed.
+workers produce them (``ResponseAssembler`` orders, detokenizes and applies stop strings) →
+answer as JSON or as server-sent events (``responses``). A client that goes away, a stop
+string, or a timeout aborts the request on every service, so its KV blocks are freed.
+Every error body, and the API key, are ``guards``' business.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,24 +26,16 @@ from common.model.loader import resolve_model
 from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
 from common.protocol import Rejected, Tokens
-from services.gateway import openai_api as api
+from services.gateway import responses
+from services.gateway.assembler import ChoiceDelta, ResponseAssembler
+from services.gateway.errors import APIError
+from services.gateway.guards import install_guards
+from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
 from services.gateway.router_link import RouterLink, RouterUnavailable
-from services.gateway.streams import ChoiceDelta, RequestStream
+from services.gateway.settings import GatewaySettings
 
 log = logging.getLogger("tandem.gateway")
-
-
-@dataclass(frozen=True, slots=True)
-class GatewaySettings:
-    router: str
-    stream_bind: str = "tcp://127.0.0.1:0"
-    advertise_host: str = "127.0.0.1"
-    api_key: str | None = None
-    model: str | None = None
-    served_model_name: str | None = None
-    max_model_len: int | None = None
-    request_timeout: float = 600.0  # silence from the workers that fails a request
-    admission_timeout: float = 120.0  # must exceed the router's queue timeout
+ROUTER_RETRY_AFTER = 2.0  # seconds a client waits before retrying while the router is away
 
 
 class Gateway:
@@ -71,8 +62,8 @@ class Gateway:
             limits.append(status.max_model_len)
         return min(limits)
 
-    def parse(self, kind: str, body) -> api.ParsedRequest:
-        parse = api.parse_chat if kind == "chat" else api.parse_completion
+    def parse(self, kind: str, body) -> ParsedRequest:
+        parse = parse_chat if kind == "chat" else parse_completion
         return parse(body, self.tokenizer, self.model_name, self.max_model_len,
                      vocab_size=self.spec.vocab_size)
 
@@ -92,15 +83,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.gateway = gw
-
-    @app.exception_handler(api.APIError)
-    async def _api_error(request: Request, e: api.APIError) -> JSONResponse:
-        return error_response(gw, e)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s", request.url.path)
-        return error_response(gw, api.APIError.server_error())
+    install_guards(app, settings.api_key, lambda e: error_response(gw, e))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -116,9 +99,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        check_api_key(gw, request)
-        return JSONResponse(api.models_list([gw.model_name], gw.max_model_len, gw.created))
+    async def models() -> JSONResponse:
+        return JSONResponse(responses.models_list([gw.model_name], gw.max_model_len, gw.created))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -131,32 +113,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return app
 
 
-def error_response(gw: Gateway, e: api.APIError) -> JSONResponse:
+def error_response(gw: Gateway, e: APIError) -> JSONResponse:
     gw.http_requests.labels(str(e.status)).inc()
     headers = {"Retry-After": str(max(1, round(e.retry_after)))} if e.retry_after else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-def check_api_key(gw: Gateway, request: Request) -> None:
-    key = gw.settings.api_key
-    if key and request.headers.get("authorization", "") != f"Bearer {key}":
-        raise api.APIError.invalid_api_key()
-
-
-async def read_json(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise api.APIError.invalid(f"the request body is not valid JSON: {e}") from None
-
-
 async def handle(gw: Gateway, request: Request, kind: str) -> Response:
-    check_api_key(gw, request)
-    parsed = gw.parse(kind, await read_json(request))
+    parsed = gw.parse(kind, parse_json(await request.body()))
     channel = await admit(gw, parsed)
-    stream = RequestStream(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
-    run = RequestRun(gw, parsed, stream, channel)
+    assembler = ResponseAssembler(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
+    run = RequestRun(gw, parsed, assembler, channel)
     if parsed.stream:
         gw.http_requests.labels("200").inc()
         return StreamingResponse(run.sse(request), media_type="text/event-stream",
@@ -166,24 +133,26 @@ async def handle(gw: Gateway, request: Request, kind: str) -> Response:
     return JSONResponse(body)
 
 
-async def admit(gw: Gateway, parsed: api.ParsedRequest) -> asyncio.Queue[Tokens]:
+async def admit(gw: Gateway, parsed: ParsedRequest) -> asyncio.Queue[Tokens]:
     try:
-        verdict, channel = await gw.link.submit(parsed.request_id, parsed.prompt_token_ids,
-                                                parsed.params, gw.settings.admission_timeout)
+        admission = await gw.link.submit(parsed.request_id, parsed.prompt_token_ids,
+                                         parsed.params, gw.settings.admission_timeout)
     except RouterUnavailable as e:
-        raise api.APIError.unavailable(f"the service is not available: {e}") from None
-    if isinstance(verdict, Rejected):
-        raise api.APIError(verdict.status, verdict.reason, retry_after=verdict.retry_after,
-                           code="rate_limit_exceeded" if verdict.status == 429 else None)
-    return channel
+        raise APIError.unavailable(f"the service is not available: {e}",
+                                   retry_after=ROUTER_RETRY_AFTER) from None
+    refused = admission.verdict
+    if isinstance(refused, Rejected):
+        raise APIError(refused.status, refused.reason, retry_after=refused.retry_after,
+                       code="rate_limit_exceeded" if refused.status == 429 else None)
+    return admission.channel
 
 
 class RequestRun:
     """One admitted request until its last token, its failure, or its abort."""
 
-    def __init__(self, gw: Gateway, parsed: api.ParsedRequest, stream: RequestStream,
+    def __init__(self, gw: Gateway, parsed: ParsedRequest, assembler: ResponseAssembler,
                  channel: asyncio.Queue[Tokens]) -> None:
-        self.gw, self.parsed, self.stream, self.channel = gw, parsed, stream, channel
+        self.gw, self.parsed, self.assembler, self.channel = gw, parsed, assembler, channel
         self.start = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -191,11 +160,11 @@ class RequestRun:
 
     async def deltas(self, request: Request) -> AsyncIterator[ChoiceDelta]:
         timeout = self.gw.settings.request_timeout
-        while not self.stream.finished:
+        while not self.assembler.finished:
             msg = await self._next(request, timeout)
             if msg.error:
-                raise api.APIError.unavailable(msg.error)
-            for delta in self.stream.feed(msg):
+                raise APIError.unavailable(msg.error)
+            for delta in self.assembler.feed(msg):
                 self._observe(delta, msg)
                 yield delta
 
@@ -208,7 +177,7 @@ class RequestRun:
                 if await request.is_disconnected():
                     raise ClientGone() from None
                 if time.monotonic() > deadline:
-                    raise api.APIError.unavailable(f"no output for {timeout:g} s") from None
+                    raise APIError.unavailable(f"no output for {timeout:g} s") from None
 
     def _observe(self, delta: ChoiceDelta, msg: Tokens) -> None:
         now = time.monotonic()
@@ -239,27 +208,28 @@ class RequestRun:
             await self._abort()
             raise
         await self._finish()
-        choices = [api.ChoiceResult(i, "".join(texts[i]), reasons.get(i),
+        choices = [responses.ChoiceResult(i, "".join(texts[i]), reasons.get(i),
                                     logprobs[i] if self.parsed.logprobs_mode else None)
                    for i in range(self.parsed.params.n)]
-        build = api.chat_completion if self.parsed.kind == "chat" else api.text_completion
+        chat = self.parsed.kind == "chat"
+        build = responses.chat_completion if chat else responses.text_completion
         return build(self.parsed, choices, self._usage())
 
     async def sse(self, request: Request) -> AsyncIterator[bytes]:
-        fmt = api.StreamFormatter(self.parsed)
+        fmt = responses.ChunkFormatter(self.parsed)
         try:
             async for d in self.deltas(request):
                 lps = self._entries(d) if self.parsed.logprobs_mode else None
-                yield api.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason))
+                yield responses.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason))
             usage = fmt.usage_chunk(self._usage())
             if usage is not None:
-                yield api.sse(usage)
-            yield api.SSE_DONE
+                yield responses.sse(usage)
+            yield responses.SSE_DONE
             await self._finish()
-        except api.APIError as e:
+        except APIError as e:
             await self._abort()
-            yield api.sse(e.body())
-            yield api.SSE_DONE
+            yield responses.sse(e.body())
+            yield responses.SSE_DONE
         except (ClientGone, asyncio.CancelledError, GeneratorExit):
             await self._abort()
             raise
@@ -267,19 +237,20 @@ class RequestRun:
             await self._abort()
             raise
 
-    def _entries(self, d: ChoiceDelta) -> list[api.LogprobEntry]:
-        return [api.LogprobEntry(t.token_id, t.text, t.logprob if t.logprob is not None else 0.0,
-                                 tuple(t.top)) for t in d.tokens]
+    def _entries(self, d: ChoiceDelta) -> list[responses.LogprobEntry]:
+        return [responses.LogprobEntry(t.token_id, t.text,
+                                       t.logprob if t.logprob is not None else 0.0, tuple(t.top))
+                for t in d.tokens]
 
     def _usage(self) -> dict:
-        return api.usage(self.stream.num_prompt_tokens, self.stream.num_completion_tokens,
-                         self.stream.num_cached_tokens)
+        a = self.assembler
+        return responses.usage(a.num_prompt_tokens, a.num_completion_tokens, a.num_cached_tokens)
 
     async def _finish(self) -> None:
         m = self.gw.metrics
         m.e2e.observe(time.monotonic() - self.start)
-        m.prompt_tokens.inc(self.stream.num_prompt_tokens)
-        m.generation_tokens.inc(self.stream.num_completion_tokens)
+        m.prompt_tokens.inc(self.assembler.num_prompt_tokens)
+        m.generation_tokens.inc(self.assembler.num_completion_tokens)
         m.success.labels("stop" if self.ended_here else "finished").inc()
         if self.ended_here:
             await self.gw.link.abort(self.parsed.request_id, "stop string")

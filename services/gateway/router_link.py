@@ -1,7 +1,7 @@
 """The gateway's sockets: a DEALER to the router, and a PULL socket workers push tokens to.
 
-``RouterLink`` turns them into awaitables: ``submit`` resolves when the router admits or
-refuses the request, and every admitted request gets a channel (an ``asyncio.Queue`` of
+``RouterLink`` turns them into awaitables: ``submit`` resolves to an ``Admission`` when
+the router admits or refuses the request, and every admitted request gets a channel (an ``asyncio.Queue`` of
 ``Tokens``) that fills as workers produce them — whichever worker that is. Channels are
 created before the submission leaves, so no token can arrive to nobody.
 """
@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 import uuid
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -35,10 +35,19 @@ from common.protocol import (
 from common.sampling_params import SamplingParams
 
 log = logging.getLogger("tandem.gateway")
+CONNECT_GRACE_MS = 1000  # how long a message waits for the router's connection to be up
 
 
 class RouterUnavailable(Exception):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The router's verdict on a submission; only an admitted request has a channel."""
+
+    verdict: Admitted | Rejected
+    channel: asyncio.Queue[Tokens] | None  # None exactly when the verdict is Rejected
 
 
 class RouterLink:
@@ -47,6 +56,9 @@ class RouterLink:
         self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
         self._router = self._ctx.socket(zmq.DEALER)
         self._router.setsockopt_string(zmq.IDENTITY, self.gateway_id)
+        # Queue only to a connected router, so a router that is not there shows as a send
+        # that cannot start (see _send) instead of a request waiting out its admission.
+        self._router.setsockopt(zmq.IMMEDIATE, 1)
         self._router.connect(router_addr)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
@@ -58,7 +70,6 @@ class RouterLink:
         self._nonces = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.last_status: Status | None = None
-        self.last_status_time = 0.0
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read(self._router)),
@@ -74,15 +85,18 @@ class RouterLink:
         self._ctx.term()
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     timeout: float) -> tuple[Message, asyncio.Queue[Tokens] | None]:
+                     timeout: float) -> Admission:
         """Admitted (with the request's channel) or Rejected (channel None)."""
         channel: asyncio.Queue[Tokens] = asyncio.Queue()
         self._channels[request_id] = channel
         decided = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = decided
-        await self._router.send(encode(Submit(request_id, prompt, params, self.reply_to)))
         try:
+            await self._send(Submit(request_id, prompt, params, self.reply_to))
             verdict = await asyncio.wait_for(decided, timeout)
+        except RouterUnavailable:
+            self.release(request_id)
+            raise
         except TimeoutError:
             self.release(request_id)
             await self.abort(request_id)
@@ -91,12 +105,15 @@ class RouterLink:
             self._admissions.pop(request_id, None)
         if isinstance(verdict, Rejected):
             self.release(request_id)
-            return verdict, None
-        return verdict, channel
+            return Admission(verdict, None)
+        return Admission(verdict, channel)
 
     async def abort(self, request_id: str, reason: str = "client") -> None:
         self.release(request_id)
-        await self._router.send(encode(Abort(request_id, reason)))
+        try:
+            await self._send(Abort(request_id, reason))
+        except RouterUnavailable:  # the router has forgotten the request along with us
+            log.info("could not abort %s: the router is not reachable", request_id)
 
     def release(self, request_id: str) -> None:
         """Stop listening for a request (tokens that still arrive are dropped)."""
@@ -106,15 +123,21 @@ class RouterLink:
         nonce = next(self._nonces)
         fut = asyncio.get_running_loop().create_future()
         self._pings[nonce] = fut
-        await self._router.send(encode(Ping(nonce)))
         try:
+            await self._send(Ping(nonce))
             status = await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
+        except (RouterUnavailable, TimeoutError):
             return None
         finally:
             self._pings.pop(nonce, None)
-        self.last_status, self.last_status_time = status, time.monotonic()
+        self.last_status = status
         return status
+
+    async def _send(self, msg: Message) -> None:
+        """To the router, once connected; the grace covers a connection still being made."""
+        if not await self._router.poll(CONNECT_GRACE_MS, zmq.POLLOUT):
+            raise RouterUnavailable("the router is not reachable")
+        await self._router.send(encode(msg))
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:

@@ -1,4 +1,4 @@
-"""Turning workers' token messages into what a client sees, one choice at a time.
+"""Assembling workers' token messages into what a client sees, one choice at a time.
 
 Tokens of one choice can come from two workers (the first from the prefill worker, the
 rest from the decode worker) over different connections, so they are put back in order
@@ -42,7 +42,9 @@ class _Choice:
     finish_reason: str | None = None
 
 
-class RequestStream:
+class ResponseAssembler:
+    """One request's choices, put back in order, detokenized, and cut at stop strings."""
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self._tok = tokenizer
         self.params = params

@@ -1,0 +1,199 @@
+"""Response bodies of the gateway's OpenAI API, without the web framework.
+
+Full responses (``chat_completion``, ``text_completion``), stream chunks
+(``ChunkFormatter`` keeps the little per-choice state a stream needs), logprobs in
+the chat and the legacy completions shapes, usage, ``/v1/models`` and SSE framing.
+Everything here is a pure function of a ``ParsedRequest`` and what the workers produced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.parsing import ParsedRequest
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobEntry:
+    """One output token's logprob and its alternatives, with their text."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob), best first
+
+    @classmethod
+    def from_engine(cls, lp: Any, token_text: Callable[[int], str]) -> LogprobEntry:
+        """From the engine's TokenLogprob (token_id, logprob, top=((id, logprob), ...))."""
+        return cls(lp.token_id, token_text(lp.token_id), lp.logprob,
+                   tuple((t, token_text(t), v) for t, v in lp.top))
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceResult:
+    """What a finished choice gives a full (non-streaming) response."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: Sequence[LogprobEntry] | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -Infinity; a token the sampler could never pick gets vLLM's -9999.
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(entries: Sequence[LogprobEntry]) -> dict[str, Any]:
+    return {"content": [
+        {"token": e.token, "logprob": _finite(e.logprob), "bytes": _token_bytes(e.token),
+         "top_logprobs": [{"token": t, "logprob": _finite(v), "bytes": _token_bytes(t)}
+                          for _, t, v in e.top]}
+        for e in entries]}
+
+
+def completion_logprobs(entries: Sequence[LogprobEntry], text_offset: int = 0) -> dict[str, Any]:
+    """The legacy shape; ``text_offset`` is where the first token starts in the choice text."""
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [_top_dict(e) for e in entries],
+            "text_offset": offsets}
+
+
+def _top_dict(e: LogprobEntry) -> dict[str, float]:
+    # OpenAI always lists the sampled token too; texts can repeat, so the best one wins.
+    top: dict[str, float] = {}
+    for _, text, lp in (*e.top, (e.token_id, e.token, e.logprob)):
+        top.setdefault(text, _finite(lp))
+    return top
+
+
+def chat_completion(req: ParsedRequest, choices: Sequence[ChoiceResult],
+                    usage_: Mapping[str, Any]) -> dict[str, Any]:
+    return {"id": req.request_id, "object": "chat.completion", "created": req.created,
+            "model": req.model,
+            "choices": [{"index": c.index,
+                         "message": {"role": "assistant", "content": c.text},
+                         "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
+                         "finish_reason": c.finish_reason} for c in choices],
+            "usage": dict(usage_)}
+
+
+def text_completion(req: ParsedRequest, choices: Sequence[ChoiceResult],
+                    usage_: Mapping[str, Any]) -> dict[str, Any]:
+    prefix = req.prompt_text if req.echo else ""
+    return {"id": req.request_id, "object": "text_completion", "created": req.created,
+            "model": req.model,
+            "choices": [{"index": c.index, "text": prefix + c.text,
+                         "logprobs": None if c.logprobs is None
+                         else completion_logprobs(c.logprobs, len(prefix)),
+                         "finish_reason": c.finish_reason} for c in choices],
+            "usage": dict(usage_)}
+
+
+def _chunk(req: ParsedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    out = {"id": req.request_id, "object": obj, "created": req.created, "model": req.model,
+           "choices": choices}
+    if req.include_usage:
+        out["usage"] = None  # OpenAI: null on every chunk but the last
+    return out
+
+
+def chat_chunk(req: ParsedRequest, index: int, *, role: str | None = None,
+               content: str | None = None, logprobs: Sequence[LogprobEntry] | None = None,
+               finish_reason: str | None = None) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    return _chunk(req, [{"index": index, "delta": delta,
+                         "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                         "finish_reason": finish_reason}])
+
+
+def completion_chunk(req: ParsedRequest, index: int, text: str,
+                     logprobs: Sequence[LogprobEntry] | None = None,
+                     finish_reason: str | None = None, text_offset: int = 0) -> dict[str, Any]:
+    return _chunk(req, [{"index": index, "text": text,
+                         "logprobs": None if logprobs is None
+                         else completion_logprobs(logprobs, text_offset),
+                         "finish_reason": finish_reason}])
+
+
+def usage_chunk(req: ParsedRequest, usage_: Mapping[str, Any]) -> dict[str, Any]:
+    """The last chunk of a stream with stream_options.include_usage."""
+    return {**_chunk(req, []), "usage": dict(usage_)}
+
+
+class ChunkFormatter:
+    """Chunks of one streamed request: the first chunk of each choice carries the role
+    (chat) or the echoed prompt (completions); completion text offsets run on."""
+
+    def __init__(self, req: ParsedRequest) -> None:
+        self.req = req
+        self._sent: dict[int, int] = {}  # choice -> characters of text sent so far
+
+    def chunk(self, index: int, text: str, logprobs: Sequence[LogprobEntry] | None = None,
+              finish_reason: str | None = None) -> dict[str, Any]:
+        first = index not in self._sent
+        sent = self._sent.get(index, 0)
+        if self.req.kind == "chat":
+            self._sent[index] = sent + len(text)
+            # OpenAI's first delta is {"role": "assistant", "content": ""}; later ones omit
+            # content when there is none (the finishing chunk has an empty delta).
+            return chat_chunk(self.req, index, role="assistant" if first else None,
+                              content=text if text or first else None, logprobs=logprobs,
+                              finish_reason=finish_reason)
+        offset = sent  # where this chunk's first token starts in the choice's text
+        if first and self.req.echo:
+            text = self.req.prompt_text + text
+            offset = len(self.req.prompt_text)
+        self._sent[index] = sent + len(text)
+        return completion_chunk(self.req, index, text, logprobs, finish_reason, offset)
+
+    def usage_chunk(self, usage_: Mapping[str, Any]) -> dict[str, Any] | None:
+        """None when the client did not ask for usage."""
+        return usage_chunk(self.req, usage_) if self.req.include_usage else None
+
+
+def model_card(name: str, max_model_len: int, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "tandem",
+            "max_model_len": max_model_len}
+
+
+def models_list(names: Sequence[str], max_model_len: int, created: int) -> dict[str, Any]:
+    """The /v1/models body."""
+    return {"object": "list", "data": [model_card(n, max_model_len, created) for n in names]}
+
+
+def sse(data: Mapping[str, Any] | str) -> bytes:
+    """One server-sent event: ``sse(chunk)`` or ``sse("[DONE]")``."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                            separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
