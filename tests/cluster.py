@@ -11,6 +11,7 @@ import json
 import re
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.addresses import free_port
 from services import launcher
@@ -71,8 +72,8 @@ class Cluster:
         url = child.health_url.replace("/health", "/metrics")
         with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
-        family = name.removesuffix("_total")
-        if not re.search(rf"^# TYPE {re.escape(family)} ", text, re.M):
+        families = {name, name.removesuffix("_total")}  # counters: either, by client version
+        if not any(re.search(rf"^# TYPE {re.escape(f)} ", text, re.M) for f in families):
             raise MissingMetricError(f"{child.name} exports no metric {name}")
         pattern = re.compile(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.eE+-]+|NaN)$", re.M)
         wanted = {f'{k}="{v}"' for k, v in labels.items()}
@@ -85,3 +86,34 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"[{c.name}] {line}" for c in self.children for line in c.tail)
+
+
+class TokenIds:
+    """Reads output token ids back over HTTP, where completion logprobs carry each token's
+    text but not its id. Each text maps back to the one id that decodes to it; the few
+    texts several ids share (partial UTF-8 bytes all read U+FFFD) are refused, so a
+    comparison is exact or fails — never a guess."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from common.model.tokenizer import Tokenizer
+
+        hf = Tokenizer(Path(model_dir)).hf
+        self._texts = hf.batch_decode([[i] for i in range(len(hf))], skip_special_tokens=False)
+        self._id: dict[str, int | None] = {}
+        for token_id, text in enumerate(self._texts):
+            self._id[text] = None if text in self._id else token_id
+
+    def exact(self, token_ids: list[int]) -> bool:
+        """Whether every one of ``token_ids`` reads back over HTTP as itself."""
+        return all(self._id.get(self._texts[i]) == i for i in token_ids)
+
+    def of(self, choice: dict) -> list[int]:
+        """The token ids of one completions choice requested with ``"logprobs": 0``."""
+        out = []
+        for text in choice["logprobs"]["tokens"]:
+            token_id = self._id.get(text)
+            if token_id is None:
+                raise AssertionError(f"token text {text!r} does not name one token id: "
+                                     f"choose a prompt whose output avoids it")
+            out.append(token_id)
+        return out
