@@ -16,8 +16,9 @@ from kernels import cpu_attention, reference
 
 @pytest.fixture(autouse=True, scope="module")
 def _needs_kernel() -> None:
-    if not cpu_attention.available():
-        pytest.skip(f"CPU kernel unavailable: {cpu_attention.unavailable_reason()}")
+    # A kernel that no longer builds is a regression, not a reason to skip: every CPU
+    # engine uses it for decode attention (the engine falls back silently, tests must not).
+    assert cpu_attention.available(), f"CPU kernel unavailable: {cpu_attention.unavailable_reason()}"
 
 
 def make_case(
