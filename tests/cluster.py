@@ -80,6 +80,10 @@ class Cluster:
         return sum(float(value) for label_text, value in pattern.findall(text)
                    if wanted <= set(label_text.split(",")) - {""})
 
+    def workers_total(self, name: str, **labels: str) -> float:
+        """A metric summed over every worker (what the cluster did, wherever it ran)."""
+        return sum(self.metric(w, name, **labels) for w in self.workers())
+
     def health(self, child: launcher.Child) -> dict:
         with urllib.request.urlopen(child.health_url, timeout=5) as r:
             return json.loads(r.read())

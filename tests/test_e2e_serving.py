@@ -83,7 +83,7 @@ def assert_idle(cluster: Cluster, timeout: float = 30.0) -> None:
 
 def generated_tokens(cluster: Cluster) -> float:
     """Tokens the workers generated so far, over all of them."""
-    return sum(cluster.metric(w, "tandem:generation_tokens_total") for w in cluster.workers())
+    return cluster.workers_total("tandem:generation_tokens_total")
 
 
 def gateway_aborts(cluster: Cluster) -> float:
