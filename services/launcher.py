@@ -4,6 +4,10 @@ Ports are picked up front on loopback, each child's output is prefixed with its 
 ``up`` returns only once every service reports healthy, and Ctrl-C / SIGTERM stops
 everything: children get SIGTERM, then SIGKILL after a grace period, and they die with
 the launcher even if it is killed outright (``PR_SET_PDEATHSIG``), so nothing is orphaned.
+
+The public surface, shared by ``tandem up`` and the end-to-end tests: ``plan`` (the
+children for a set of ``up`` arguments), ``engine_argv`` (the engine flags forwarded to
+every worker) and ``LocalCluster`` (start / stop those children).
 """
 
 from __future__ import annotations
@@ -52,22 +56,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def engine_argv(args: argparse.Namespace, parser_defaults: dict) -> list[str]:
-    """The engine flags the user changed, to hand to every worker."""
+def engine_flag_parser() -> argparse.ArgumentParser:
+    """A parser holding only the engine flags: the one list ``up`` forwards to workers."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_flags(p)
+    return p
+
+
+def engine_flag_actions(flags: argparse.ArgumentParser | None = None) -> list[argparse.Action]:
+    """The optional flags ``flags`` defines (by default, the engine flags)."""
+    flags = flags or engine_flag_parser()
+    # argparse has no public accessor for a parser's actions; _actions is stable in practice.
+    return [a for a in flags._actions if a.option_strings and a.dest != "help"]
+
+
+def engine_argv(args: argparse.Namespace, flags: argparse.ArgumentParser | None = None) -> list[str]:
+    """Every engine flag whose value differs from its default, spelled for a worker's
+    command line. Iterates the flag definitions (``flags``, by default every flag that
+    ``add_engine_flags`` defines), so a new engine flag is forwarded without a change here."""
     out: list[str] = []
-    for dest in ("model", "served_model_name", "dtype", "device", "max_model_len", "block_size",
-                 "kv_cache_memory", "num_kv_blocks", "kv_cache_dtype", "max_num_seqs",
-                 "max_num_batched_tokens", "seed"):
-        value = getattr(args, dest)
-        if value is not None and value != parser_defaults.get(dest):
-            out += [f"--{dest.replace('_', '-')}", str(value)]
-    for dest in ("enable_prefix_caching", "enable_chunked_prefill"):
-        if getattr(args, dest) != parser_defaults.get(dest):
-            out.append(f"--{'' if getattr(args, dest) else 'no-'}{dest.replace('_', '-')}")
+    for action in engine_flag_actions(flags):
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(_bool_spelling(action, bool(value)))
+        elif action.nargs == 0:  # store_true / store_const: the flag alone sets the value
+            out.append(action.option_strings[0])
+        elif value is not None:
+            out += [action.option_strings[0], str(value)]
     return out
 
 
-def plan(args: argparse.Namespace, engine_flags: list[str]) -> list[Child]:
+def _bool_spelling(action: argparse.Action, value: bool) -> str:
+    positive = next(o for o in action.option_strings if not o.startswith("--no-"))
+    return positive if value else "--no-" + positive[2:]
+
+
+def plan(args: argparse.Namespace) -> list[Child]:
+    """The children ``up`` runs for these arguments, in start order (router first,
+    gateway last), each with its command line and health URL; ports are picked here."""
+    engine_flags = engine_argv(args)
     py = [sys.executable, "-m", "cli"]
     router_port, router_metrics = free_port(), free_port()
     router = f"tcp://127.0.0.1:{router_port}"
@@ -78,10 +107,11 @@ def plan(args: argparse.Namespace, engine_flags: list[str]) -> list[Child]:
              else [("prefill", "prefill", args.prefill), ("decode", "decode", args.decode)])
     workers = [(name, cmd, i) for name, cmd, count in roles for i in range(count)]
     cpus = sorted(os.sched_getaffinity(0))
-    threads = args.threads or max(1, available_cpus() // max(len(workers), 1))
+    # --threads is an engine flag (forwarded when given); unset, the CPUs are shared out.
+    threads = [] if args.threads else ["--threads", str(max(1, available_cpus() // max(len(workers), 1)))]
     for n, (name, cmd, i) in enumerate(workers):
         port = free_port()
-        argv = py + [cmd, "--router", router, "--metrics-port", str(port), "--threads", str(threads),
+        argv = py + [cmd, "--router", router, "--metrics-port", str(port), *threads,
                      "--kv-transport", args.kv_transport, "--worker-id", f"{name}-{i}", *engine_flags]
         if args.cpu_affinity:
             argv += ["--cpu-affinity", str(_cpu_for(name, i, n, len(workers), cpus))]
@@ -110,32 +140,61 @@ def _cpu_for(name: str, i: int, n: int, total: int, cpus: list[int]) -> int:
     return cpus[n % len(cpus)]
 
 
+class StartupError(RuntimeError):
+    """A child exited, or not every child was healthy in time, during ``start``."""
+
+
+class LocalCluster:
+    """The children of a plan as running processes: ``start`` spawns them all and returns
+    once every one reports healthy (or raises ``StartupError``), ``stop`` ends them all.
+    Used by ``tandem up`` and by the end-to-end tests alike."""
+
+    def __init__(self, children: list[Child]) -> None:
+        self.children = children
+
+    def start(self, timeout: float, stop: threading.Event | None = None) -> None:
+        """Spawn every child and wait for all to be healthy; ``stop`` cuts the wait short.
+        On failure the children already started are stopped before ``StartupError``."""
+        try:
+            for child in self.children:
+                _spawn(child)
+            _wait_healthy(self.children, stop or threading.Event(), timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """SIGTERM to every running child (gateway first), SIGKILL after the grace period."""
+        _shutdown(self.children)
+
+    def exited(self) -> list[Child]:
+        return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def run(args: argparse.Namespace) -> int:
-    defaults = vars(_defaults_parser().parse_args([]))
-    children = plan(args, engine_argv(args, defaults))
+    cluster = LocalCluster(plan(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    try:
-        for child in children:
-            _spawn(child)
-        if not _wait_healthy(children, stop, args.startup_timeout):
+    with cluster:
+        try:
+            cluster.start(args.startup_timeout, stop)
+        except StartupError as e:
+            _say("launcher", str(e))
             return 1
-        _announce(args, children)
+        _announce(args, cluster.children)
         while not stop.wait(0.5):
-            dead = [c for c in children if c.proc.poll() is not None]
+            dead = cluster.exited()
             if dead:
                 _say("launcher", f"{dead[0].name} exited with status {dead[0].proc.returncode}: stopping")
                 return 1
         return 0
-    finally:
-        _shutdown(children)
-
-
-def _defaults_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    add_engine_flags(p)
-    return p
 
 
 def _spawn(child: Child) -> None:
@@ -165,21 +224,22 @@ def _say(name: str, line: str) -> None:
         print(f"{name:>10} | {line}", flush=True)
 
 
-def _wait_healthy(children: list[Child], stop: threading.Event, timeout: float) -> bool:
+def _wait_healthy(children: list[Child], stop: threading.Event, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     pending = list(children)
-    while pending and not stop.is_set():
+    while pending:
         for child in list(pending):
             if child.proc.poll() is not None:
-                _say("launcher", f"{child.name} failed to start (status {child.proc.returncode})")
-                return False
+                raise StartupError(f"{child.name} failed to start (status {child.proc.returncode})")
             if _healthy(child.health_url):
                 pending.remove(child)
+        if not pending:
+            return
         if time.monotonic() > deadline:
-            _say("launcher", f"still not healthy after {timeout:.0f} s: {', '.join(c.name for c in pending)}")
-            return False
-        stop.wait(0.5)
-    return not pending
+            raise StartupError(f"still not healthy after {timeout:.0f} s: "
+                               f"{', '.join(c.name for c in pending)}")
+        if stop.wait(0.5):
+            raise StartupError("stopped before every service was healthy")
 
 
 def _healthy(url: str) -> bool:

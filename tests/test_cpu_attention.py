@@ -16,8 +16,9 @@ from kernels import cpu_attention, reference
 
 @pytest.fixture(autouse=True, scope="module")
 def _needs_kernel() -> None:
-    if not cpu_attention.available():
-        pytest.skip(f"CPU kernel unavailable: {cpu_attention.unavailable_reason()}")
+    # A kernel that no longer builds is a regression, not a reason to skip: every CPU
+    # engine uses it for decode attention (the engine falls back silently, tests must not).
+    assert cpu_attention.available(), f"CPU kernel unavailable: {cpu_attention.unavailable_reason()}"
 
 
 def make_case(
@@ -206,9 +207,9 @@ def test_one_openmp_runtime_shared_with_torch() -> None:
 @pytest.fixture
 def fresh_loader() -> Iterator[None]:
     """The loader as in a new process: nothing built or loaded yet."""
-    cpu_attention._loader.reset()
+    cpu_attention.forget_builds()
     yield
-    cpu_attention._loader.reset()  # what the test built or failed to build is not the real state
+    cpu_attention.forget_builds()  # what the test built or failed to build is not the real state
 
 
 @pytest.mark.usefixtures("fresh_loader")

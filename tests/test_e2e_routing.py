@@ -7,41 +7,79 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
 
 from common.addresses import free_port
-from tests.cluster import Cluster
+from tests.cluster import Cluster, TokenIds
+from tests.extras import require_module
 
 PREFIX = list(range(1000, 1256))  # 16 full blocks
 
 
 def shared_prefix_requests(cluster: Cluster) -> None:
     for tail in ([7, 8, 9], [17, 18], [27, 28, 29, 30]):
-        r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
-            "prompt": PREFIX + tail, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
+        complete(cluster, PREFIX + tail)
+
+
+def complete(cluster: Cluster, prompt: list[int]) -> None:
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
 
 
 def per_worker(cluster: Cluster, metric: str) -> dict[str, float]:
     return {w.name: cluster.metric(w, metric) for w in cluster.workers("prefill")}
 
 
-@pytest.mark.parametrize("policy", ["prefix", "round_robin"])
-def test_shared_prefix_follows_the_cache_only_with_prefix_policy(tiny_model_dir, policy):
-    with Cluster(str(tiny_model_dir), prefill=2, decode=2, policy=policy) as cluster:
+def placements(cluster: Cluster) -> dict[str, float]:
+    """Requests the router placed on each prefill worker (its own count, not the worker's)."""
+    return {w.name: cluster.metric(cluster.router, "tandem:router_placements_total", worker=w.name)
+            for w in cluster.workers("prefill")}
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)  # polling an observable condition
+
+
+def test_shared_prefix_follows_the_cache_to_the_second_worker(tiny_model_dir, monkeypatch):
+    """Idle workers tie, and a tie goes to the first registered one; so the prefix is
+    warmed on the *other* worker, and the later requests must follow it there."""
+    # The worker frozen below must stay registered: a heartbeat timeout far beyond the test.
+    monkeypatch.setenv("TANDEM_HEARTBEAT_TIMEOUT", "600")
+    with Cluster(str(tiny_model_dir), prefill=2, decode=2, policy="prefix") as cluster:
+        complete(cluster, list(range(3000, 3020)))  # unrelated: shows which worker wins ties
+        [first] = [w for w in cluster.workers("prefill") if placements(cluster)[w.name] == 1]
+        [second] = [w for w in cluster.workers("prefill") if w is not first]
+        first.proc.send_signal(signal.SIGSTOP)  # whatever is placed there now stays outstanding
+        try:
+            busy = threading.Thread(target=complete, args=(cluster, list(range(4000, 4020))))
+            busy.start()
+            wait_for(lambda: placements(cluster)[first.name] == 2, "the second unrelated placement")
+            complete(cluster, PREFIX + [1, 2])  # the first worker is loaded: lands on the second
+            assert placements(cluster) == {first.name: 2, second.name: 1}
+        finally:
+            first.proc.send_signal(signal.SIGCONT)
+        busy.join(120)
+        shared_prefix_requests(cluster)
+        assert placements(cluster) == {first.name: 2, second.name: 4}  # all three followed it
+        hits = per_worker(cluster, "tandem:prefix_cache_hits_total")
+    assert hits == {first.name: 0, second.name: 3 * len(PREFIX)}
+
+
+def test_round_robin_spreads_a_shared_prefix_regardless_of_the_cache(tiny_model_dir):
+    with Cluster(str(tiny_model_dir), prefill=2, decode=2, policy="round_robin") as cluster:
         shared_prefix_requests(cluster)
         queries = per_worker(cluster, "tandem:prefix_cache_queries_total")
         hits = per_worker(cluster, "tandem:prefix_cache_hits_total")
-    used = [name for name, q in queries.items() if q > 0]
-    if policy == "prefix":
-        assert len(used) == 1  # all three landed on the worker that holds the prefix
-        assert hits[used[0]] == 2 * len(PREFIX)  # the second and third hit every block
-    else:
-        assert len(used) == 2  # spread regardless of what is cached
-        assert sum(hits.values()) < 2 * len(PREFIX)
+    assert all(q > 0 for q in queries.values())  # spread regardless of what is cached
+    assert sum(hits.values()) < 2 * len(PREFIX)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +114,16 @@ def test_killed_decode_worker_fails_the_stream_and_frees_prefill_blocks(guarded)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])
     assert "failed" in error["error"]["message"] and error["error"]["type"] == "service_unavailable_error"
+    # The router notices the dead worker (heartbeat timeout) and stops counting it...
+    wait_for(lambda: guarded.health(guarded.router)["decode_workers"] == 0, "the router to drop it")
+    wait_for(lambda: guarded.metric(guarded.router, "tandem:router_workers", role="decode") == 0,
+             "the router's decode-worker gauge to fall")
+    # ...and the prefill worker holds nothing for the failed request.
     [prefill] = guarded.workers("prefill")
-    assert guarded.metric(prefill, "tandem:kv_cache_usage_perc") == 0.0
+    wait_for(lambda: (guarded.metric(prefill, "tandem:kv_cache_usage_perc"),
+                      guarded.metric(prefill, "tandem:num_requests_running")) == (0.0, 0.0),
+             "the prefill worker to be idle")
+    assert guarded.health(guarded.router)["prefill_workers"] == 1
 
 
 def test_no_workers_means_503_with_retry_after(tiny_model_dir):
@@ -107,17 +153,14 @@ def test_no_workers_means_503_with_retry_after(tiny_model_dir):
 
 
 def test_pd_over_ucx_gives_the_hf_tokens(tiny_model_dir):
-    pytest.importorskip("ucxx")
+    require_module("ucxx")
     from tests.conftest import hf_greedy
 
     prompt = list(range(400, 437))
     with Cluster(str(tiny_model_dir), kv_transport="ucx") as cluster:
         r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
-            "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+            "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 0})
         [decode] = cluster.workers("decode")
         received = cluster.metric(decode, "tandem:kv_transfer_bytes_total")
-    from common.model.tokenizer import Tokenizer
-
-    assert r.json()["choices"][0]["text"] == Tokenizer(tiny_model_dir).decode(
-        hf_greedy(tiny_model_dir, prompt, 16))
+    assert TokenIds(tiny_model_dir).of(r.json()["choices"][0]) == hf_greedy(tiny_model_dir, prompt, 16)
     assert received > 0  # the KV really crossed the UCX transport

@@ -10,20 +10,34 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster import Cluster
-from tests.conftest import hf_greedy
+from tests.cluster import Cluster, TokenIds
+from tests.conftest import hf_greedy, write_tiny_model
+
+LONG = 2000  # max_tokens no aborted request can reach before its abort lands
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_model_dir):
-    with Cluster(str(tiny_model_dir)) as cluster:
+def model_dir(tmp_path_factory, smollm2_dir):
+    """The tiny model with room for LONG generated tokens."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-long"), smollm2_dir,
+                            max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir):
+    with Cluster(str(model_dir)) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_model_dir):
-    with Cluster(str(tiny_model_dir), colocated=1) as cluster:
+def colocated(model_dir):
+    with Cluster(str(model_dir), colocated=1) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def token_ids(model_dir) -> TokenIds:
+    return TokenIds(model_dir)
 
 
 @pytest.fixture(autouse=True)
@@ -67,16 +81,24 @@ def assert_idle(cluster: Cluster, timeout: float = 30.0) -> None:
     assert usage() == {w.name: (0.0, 0.0) for w in cluster.workers()}
 
 
-def test_greedy_pd_equals_colocated_equals_hf(pd, colocated, tiny_model_dir):
-    prompt = list(range(100, 140))
-    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    a, b = complete(pd, **body), complete(colocated, **body)
-    expected = hf_greedy(tiny_model_dir, prompt, 24)
-    tok_text = a["choices"][0]["text"]
-    assert tok_text == b["choices"][0]["text"]
-    from common.model.tokenizer import Tokenizer
+def generated_tokens(cluster: Cluster) -> float:
+    """Tokens the workers generated so far, over all of them."""
+    return cluster.workers_total("tandem:generation_tokens_total")
 
-    assert tok_text == Tokenizer(tiny_model_dir).decode(expected)
+
+def gateway_aborts(cluster: Cluster) -> float:
+    [gateway] = [c for c in cluster.children if c.name == "gateway"]
+    return cluster.metric(gateway, "tandem:request_success_total", finished_reason="abort")
+
+
+def test_greedy_pd_equals_colocated_equals_hf(pd, colocated, model_dir, token_ids):
+    prompt = list(range(110, 150))  # its output has no token whose text several ids share
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    a, b = complete(pd, **body), complete(colocated, **body)
+    expected = hf_greedy(model_dir, prompt, 24)
+    assert token_ids.of(a["choices"][0]) == expected
+    assert token_ids.of(b["choices"][0]) == expected
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
     assert a["usage"]["completion_tokens"] == 24
 
 
@@ -129,19 +151,25 @@ def test_stop_string_is_applied_by_the_gateway(pd):
     body = {"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
     text = complete(pd, **body)["choices"][0]["text"]
     stop = text[6:10]
-    cut = complete(pd, **body, stop=[stop])["choices"][0]
+    before = generated_tokens(pd)
+    cut = complete(pd, **{**body, "max_tokens": LONG}, stop=[stop])["choices"][0]
     assert cut["text"] == text[: text.index(stop)] and cut["finish_reason"] == "stop"
     assert_idle(pd)
+    # The gateway aborted the request upstream: the workers stopped far short of LONG.
+    assert generated_tokens(pd) - before < LONG
 
 
 def test_client_disconnect_frees_every_block(pd):
-    body = {"prompt": list(range(200, 300)), "max_tokens": 400, "temperature": 0,
+    body = {"prompt": list(range(200, 300)), "max_tokens": LONG, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    before, aborts = generated_tokens(pd), gateway_aborts(pd)
     with httpx.stream("POST", f"{pd.url}/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break  # leave mid-stream
     assert_idle(pd)
+    assert gateway_aborts(pd) == aborts + 1
+    assert generated_tokens(pd) - before < LONG  # the abort reached the workers
 
 
 CHAT = "/v1/chat/completions"
@@ -160,7 +188,7 @@ HI = [{"role": "user", "content": "hi"}]
     (CHAT, {"messages": HI, "stream": "yes"}, 400, "stream", "boolean"),
     (CHAT, {"messages": HI, "model": "gpt-9"}, 404, "model", "does not exist"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 5000}, 400, "prompt", "context length"),
-    (COMPLETIONS, {"prompt": list(range(2000))}, 400, "prompt", "context length"),
+    (COMPLETIONS, {"prompt": list(range(5000))}, 400, "prompt", "context length"),
     (COMPLETIONS, {"prompt": [1, "a"]}, 400, "prompt", "prompt"),
     (COMPLETIONS, {"prompt": "x", "logprobs": 9}, 400, "logprobs", "logprobs"),
 ])
@@ -179,6 +207,6 @@ def test_bad_input_gets_openai_errors(pd):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{pd.url}/v1/completions", json={"prompt": "x", "model": "gpt-9"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = httpx.post(f"{pd.url}/v1/completions", json={"prompt": list(range(2000)), "max_tokens": 5},
+    r = httpx.post(f"{pd.url}/v1/completions", json={"prompt": list(range(5000)), "max_tokens": 5},
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

@@ -88,15 +88,20 @@ def test_preemption_recomputes_exactly(model_dir):
 
 
 def test_torch_path_without_c_kernels(model_dir, monkeypatch):
-    """The portable forward pass (no packed GEMM, no fused ops: what CUDA, bf16 and a
-    machine without gcc run) matches too, on the same chunked, batched workload."""
+    """The portable forward pass (no packed GEMM, no fused ops, no C decode attention:
+    what CUDA, bf16 and a machine without gcc run) matches too, on the same chunked,
+    batched workload."""
+    import dataclasses
+
     from common.config import ModelConfig
     from common.engine.setup import load_model
     from common.model.llama import LlamaModel
+    from kernels.attention import TorchBackend
 
     monkeypatch.setattr(LlamaModel, "use_cpu_kernels", lambda self: [])
     loaded = load_model(ModelConfig(path=str(model_dir)))
-    assert loaded.model.cpu_kernels == []
+    loaded = dataclasses.replace(loaded, backend=TorchBackend(use_c_kernel=False))
+    assert loaded.model.cpu_kernels == [] and loaded.backend.name == "torch"
     engine = make_engine(model_dir, max_num_batched_tokens=32, loaded=loaded)
     prompts = prompts_of(engine, [3, 50, 21], seed=6)
     assert_matches_hf(model_dir, prompts, engine.generate(prompts, GREEDY))
@@ -107,3 +112,10 @@ def test_engine_uses_the_c_kernels(model_dir):
     every other test here checks them against transformers."""
     engine = make_engine(model_dir)
     assert engine.loaded.model.cpu_kernels == ["packed GEMM", "fused ops"]
+
+
+def test_engine_uses_the_c_decode_attention(model_dir):
+    """The default CPU backend runs decode attention in the fused C kernel, so the tests
+    above check it, and the torch-path test above really is the other path."""
+    engine = make_engine(model_dir)
+    assert engine.loaded.backend.name == "torch+c"

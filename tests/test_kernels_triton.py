@@ -15,12 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kernels import reference, triton_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = isinstance(triton_attention._decode_kernel, InterpretedFunction)
+INTERPRETED = triton_attention.interpreted()
 # The interpreter keeps bf16 as raw uint16 bits and tl.dot multiplies those
 # (triton-lang/triton#11584, "not supported yet"), so bf16 attention is GPU-only.
 _NEEDS_BF16_DOT = pytest.mark.skipif(INTERPRETED, reason="Triton interpreter lacks bf16 tl.dot")

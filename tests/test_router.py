@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 
 import pytest
 import zmq
@@ -413,9 +414,6 @@ class Peer:
         assert isinstance(msg, kind), msg
         return msg
 
-    async def nothing_pending(self) -> bool:
-        return not await self.sock.poll(0)
-
 
 class Cluster:
     def __init__(self, service: RouterService, ctx: zmq.asyncio.Context) -> None:
@@ -442,6 +440,12 @@ class Cluster:
         assert status.nonce == nonce
         return status
 
+    async def assert_quiet(self, peer: Peer) -> None:
+        """Nothing was sent to ``peer`` so far: a Ping from it now must be answered before
+        anything else reaches it, since the router's messages to one peer arrive in order
+        (``status`` fails on any other message first)."""
+        await self.status(peer)
+
     async def worker(self, worker_id: str, role: str = "colocated", **kw) -> Peer:
         """Register a worker; the Ping after it on the same socket proves it was handled."""
         w = self.peer(worker_id)
@@ -454,7 +458,8 @@ class Cluster:
 async def router(**overrides):
     settings = dict(bind="tcp://127.0.0.1:0", metrics_port=0, heartbeat_timeout=60.0)
     settings.update(overrides)
-    service = RouterService(RouterSettings(**settings))
+    clock = settings.pop("clock", time.monotonic)
+    service = RouterService(RouterSettings(**settings), clock=clock)
     stop = asyncio.Event()
     task = asyncio.create_task(service.run(stop))
     ctx = zmq.asyncio.Context()
@@ -551,7 +556,7 @@ async def test_prefill_and_decode_task_carries_the_handoff(c: Cluster):
     task = await p.expect(Task)
     assert (task.request_id, task.handoff_addr) == ("r1", "tcp://d1:7300")
     await gw.expect(Admitted)
-    assert await d.nothing_pending()  # the decode worker hears from the prefill worker, not us
+    await c.assert_quiet(d)  # the decode worker hears from the prefill worker, not us
     reg = c.service.registry.workers
     assert reg["d1"].reserved_blocks == len(PROMPT) // BS + 1
     assert reg["p1"].outstanding_tokens == len(PROMPT)
@@ -579,7 +584,7 @@ async def test_prefill_worker_without_a_decode_worker_queues(c: Cluster):
     task = await p.expect(Task)
     assert task.handoff_addr == "tcp://d1:7300"
     await gw.expect(Admitted)
-    assert await d.nothing_pending()
+    await c.assert_quiet(d)
 
 
 @serve(max_queue=1, token_budget=4)
@@ -595,7 +600,7 @@ async def test_queue_then_429_then_placement_when_prefill_finishes(c: Cluster):
     msg = await gw.expect(Rejected)
     assert (msg.request_id, msg.status, msg.retry_after) == ("r3", 429, 1.0)
     assert (await c.status(gw)).queue_length == 1
-    assert await w.nothing_pending()
+    await c.assert_quiet(w)
 
     await w.send(Finished("r1", "w1", "prefill"))
     assert (await w.expect(Task)).request_id == "r2"
@@ -662,33 +667,60 @@ async def test_failed_prefill_aborts_the_decode_side(c: Cluster):
     assert c.service.requests == {}
 
 
-@serve(heartbeat_timeout=0.5)
-async def test_a_silent_worker_fails_its_requests_back_to_the_gateway(c: Cluster):
-    w = c.peer("w1")
-    await w.send(register("w1"))
-    await c.status(w)
-    gw = await c.gateway()
-    # keep w1 alive until it has the task, then let it fall silent
-    beating = asyncio.create_task(_heartbeat(w, "w1"))
-    try:
+class ManualClock:
+    """The router's clock: time moves only when the test moves it, however loaded the
+    machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def test_a_silent_worker_fails_its_requests_back_to_the_gateway(clock):
+    @serve(heartbeat_timeout=5.0, clock=clock.monotonic)
+    async def body(c: Cluster):
+        w = await c.worker("w1")
+        gw = await c.gateway()
         await gw.send(submit("r1"))
         await w.expect(Task)
-    finally:
-        beating.cancel()
-    await gw.expect(Admitted)
-    msg = await gw.expect(Tokens)
-    assert msg.request_id == "r1"
-    assert msg.error and "w1" in msg.error
-    assert msg.token_ids == []
-    status = await c.status(gw)
-    assert (status.prefill_workers, status.decode_workers) == (0, 0)
-    assert c.service.requests == {}
+        await gw.expect(Admitted)
+        assert (await c.status(gw)).prefill_workers == 1  # no time has passed: still there
+        clock.now += 5.5  # past the timeout, without a heartbeat
+        msg = await gw.expect(Tokens)  # from the next maintenance pass
+        assert msg.request_id == "r1"
+        assert msg.error and "w1" in msg.error
+        assert msg.token_ids == []
+        status = await c.status(gw)
+        assert (status.prefill_workers, status.decode_workers) == (0, 0)
+        assert c.service.requests == {}
+
+    body()
 
 
-async def _heartbeat(peer: Peer, worker_id: str) -> None:
-    while True:
-        await peer.send(Heartbeat(worker_id, 0, 0, 100, 100))
-        await asyncio.sleep(0.05)
+def test_a_heartbeat_keeps_a_worker_past_the_timeout(clock):
+    @serve(heartbeat_timeout=5.0, queue_timeout=6.0, clock=clock.monotonic)
+    async def body(c: Cluster):
+        p = await c.worker("p1", "prefill")
+        gw = await c.gateway()
+        await gw.send(submit("r0"))  # no decode worker: it waits in the queue
+        assert (await c.status(gw)).queue_length == 1
+        clock.now += 4.0
+        await p.send(Heartbeat("p1", 0, 0, 100, 100))
+        await c.status(p)  # the heartbeat has been handled
+        clock.now += 4.0  # 8 s after registering, 4 s after the heartbeat
+        # The queued request times out in the same maintenance pass that checks heartbeats:
+        # its refusal proves that pass ran with the new time.
+        assert (await gw.expect(Rejected)).request_id == "r0"
+        assert (await c.status(gw)).prefill_workers == 1
+
+    body()
 
 
 @serve()
@@ -737,7 +769,7 @@ async def test_prefix_routing_follows_kv_events(c: Cluster):
     assert (await b.expect(Task)).request_id == "r1"
     await gw.expect(Admitted)
     assert c.service.registry.workers["b"].outstanding_tokens == len(PROMPT) - 3 * BS
-    assert await a.nothing_pending()
+    await c.assert_quiet(a)
 
 
 @serve()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -92,8 +93,10 @@ class Routed:
 
 
 class RouterService:
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._clock = clock  # every timestamp (heartbeats, queue waits); tests move it by hand
         self.registry = Registry(settings.heartbeat_timeout)
         self.index = PrefixIndex()
         self.queue: AdmissionQueue[Routed] = AdmissionQueue(settings.max_queue, settings.queue_timeout)
@@ -151,7 +154,7 @@ class RouterService:
     async def _maintain(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await asyncio.sleep(0.25)
-            now = time.monotonic()
+            now = self._clock()
             for worker in self.registry.expire(now):
                 log.warning("worker %s missed its heartbeats: failing its requests", worker.worker_id)
                 await self._worker_gone(worker)
@@ -180,7 +183,7 @@ class RouterService:
         if msg.request_id in self.requests:
             await self._send(identity, Rejected(msg.request_id, 400, "duplicate request id"))
             return
-        routed = Routed(msg, identity, time.monotonic())
+        routed = Routed(msg, identity, self._clock())
         problem = self._unservable(msg)
         if problem is not None:
             await self._refuse(routed, problem)
@@ -227,7 +230,7 @@ class RouterService:
             log.warning("worker %s heartbeats every %g s: the router's --heartbeat-timeout %g s "
                         "should span at least two", msg.worker_id, msg.heartbeat_interval,
                         self.settings.heartbeat_timeout)
-        self.registry.register(msg, time.monotonic())
+        self.registry.register(msg, self._clock())
         self.index.drop_worker(msg.worker_id)
         self.index.apply(KVEvents(msg.worker_id, stored=msg.cached_blocks))
         log.info("registered %s worker %s (%d blocks, %d cached)", msg.role.value, msg.worker_id,
@@ -235,7 +238,7 @@ class RouterService:
         await self._drain_queue()
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
-        if self.registry.heartbeat(msg, time.monotonic()) is not None:
+        if self.registry.heartbeat(msg, self._clock()) is not None:
             await self._drain_queue()
         else:  # declared dead earlier but alive after all: its requests are gone already
             await self._send(msg.worker_id.encode(), Reregister(msg.worker_id))
@@ -287,7 +290,7 @@ class RouterService:
         await self._send(routed.gateway, Admitted(submit.request_id))
         self.requests[submit.request_id] = routed
         self._placements.labels(chosen.worker.worker_id).inc()
-        self._queue_time.observe(time.monotonic() - routed.arrival)
+        self._queue_time.observe(self._clock() - routed.arrival)
         return True
 
     async def _drain_queue(self) -> None:
