@@ -53,35 +53,42 @@ def env(dest: str, default: Any = None, kind: type = str) -> Any:
         raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add the engine's flags (one group); returns their definitions."""
     g = parser.add_argument_group(ENGINE_GROUP)
+    actions: list[argparse.Action] = []
+
+    def add(*names: str, **kw: Any) -> None:
+        actions.append(g.add_argument(*names, **kw))
+
     m, c, s = ModelConfig, CacheConfig, SchedulerConfig
-    g.add_argument("--model", default=env("model", default_of(m, "path")),
+    add("--model", default=env("model", default_of(m, "path")),
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=env("served_model_name", default_of(m, "served_name")))
-    g.add_argument("--dtype", default=env("dtype", default_of(m, "dtype")),
+    add("--served-model-name", default=env("served_model_name", default_of(m, "served_name")))
+    add("--dtype", default=env("dtype", default_of(m, "dtype")),
                    choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default=env("device", default_of(m, "device")),
+    add("--device", default=env("device", default_of(m, "device")),
                    choices=["auto", "cpu", "cuda"])
-    g.add_argument("--max-model-len", type=int, default=env("max_model_len", default_of(m, "max_model_len"), int))
-    g.add_argument("--block-size", type=int, default=env("block_size", default_of(c, "block_size"), int))
-    g.add_argument("--kv-cache-memory", default=env("kv_cache_memory", str(default_of(c, "memory_bytes"))),
+    add("--max-model-len", type=int, default=env("max_model_len", default_of(m, "max_model_len"), int))
+    add("--block-size", type=int, default=env("block_size", default_of(c, "block_size"), int))
+    add("--kv-cache-memory", default=env("kv_cache_memory", str(default_of(c, "memory_bytes"))),
                    help="KV-cache budget, e.g. 512MiB or 2GiB (default: 2GiB)")
-    g.add_argument("--num-kv-blocks", type=int, default=env("num_kv_blocks", default_of(c, "num_blocks"), int),
+    add("--num-kv-blocks", type=int, default=env("num_kv_blocks", default_of(c, "num_blocks"), int),
                    help="size the KV cache by block count instead of memory")
-    g.add_argument("--kv-cache-dtype", default=env("kv_cache_dtype", default_of(c, "kv_cache_dtype")),
+    add("--kv-cache-dtype", default=env("kv_cache_dtype", default_of(c, "kv_cache_dtype")),
                    choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env("enable_prefix_caching", default_of(c, "enable_prefix_caching"), bool))
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+    add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=env("enable_chunked_prefill", default_of(s, "enable_chunked_prefill"), bool))
-    g.add_argument("--max-num-seqs", type=int, default=env("max_num_seqs", default_of(s, "max_num_seqs"), int))
-    g.add_argument("--max-num-batched-tokens", type=int,
+    add("--max-num-seqs", type=int, default=env("max_num_seqs", default_of(s, "max_num_seqs"), int))
+    add("--max-num-batched-tokens", type=int,
                    default=env("max_num_batched_tokens", default_of(s, "max_num_batched_tokens"), int),
                    help="token budget of one engine step (prefill chunks + decodes)")
-    g.add_argument("--threads", type=int, default=env("threads", default_of(EngineConfig, "threads"), int),
+    add("--threads", type=int, default=env("threads", default_of(EngineConfig, "threads"), int),
                    help="torch threads (default: every CPU this process may use)")
-    g.add_argument("--seed", type=int, default=env("seed", default_of(EngineConfig, "seed"), int))
+    add("--seed", type=int, default=env("seed", default_of(EngineConfig, "seed"), int))
+    return actions
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

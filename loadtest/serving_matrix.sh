@@ -6,15 +6,22 @@
 #   loadtest/serving_matrix.sh OUT "label|base-url|model" ...
 #   e.g. OFF=240 loadtest/serving_matrix.sh /tmp/m "vllm|http://127.0.0.1:8002|smollm2" \
 #          "colocated|http://127.0.0.1:8000|SmolLM2-135M-Instruct"
-# Env: PY (a python with httpx, default python3), PEERS (default ../shared/peers),
-# PROMPTS (default /work/peers/prompts_512x256.json, made by $PEERS/make_prompts.py),
+# Env: PY (a python with httpx and transformers, default the repo's .venv), PEERS (default
+# ../shared/peers), PROMPTS (default OUT/prompts_512x256.json, made on first use by
+# $PEERS/make_prompts.py with the default model's tokenizer: 512 prompts of 256 tokens),
 # WORKLOADS (default c1 c16 rate), OFF (first prompt, default 16).
 set -u
 OUT=$1; shift
-PEERS=${PEERS:-$(dirname "$0")/../../shared/peers}
-PY=${PY:-python3}; CLIENT=$PEERS/bench_client.py
-PROMPTS=${PROMPTS:-/work/peers/prompts_512x256.json}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PEERS=${PEERS:-$ROOT/../shared/peers}
+PY=${PY:-$ROOT/.venv/bin/python}; CLIENT=$PEERS/bench_client.py
 mkdir -p "$OUT"; OFF=${OFF:-16}
+PROMPTS=${PROMPTS:-$OUT/prompts_512x256.json}
+if [ ! -f "$PROMPTS" ]; then
+  TOKENIZER=$(cd "$ROOT" && HF_HUB_OFFLINE=1 $PY -c \
+    'from common.model.loader import resolve_model; print(resolve_model(None).directory)')
+  $PY "$PEERS/make_prompts.py" --tokenizer "$TOKENIZER" --num 512 --input-len 256 --out "$PROMPTS"
+fi
 for w in ${WORKLOADS:-c1 c16 rate}; do
   case $w in
     c1) n=8; args="--num 8 --concurrency 1";;

@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 
 from common.addresses import free_port
 from common.config import available_cpus
+from common.connector import KVTransport
 from common.flags import add_engine_flags
+from services.router.policies import RoutingPolicy
+from services.timeouts import add_timeout_flags, timeouts
 
 GRACE_SECONDS = 10.0
 
@@ -46,12 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers doing both (replaces --prefill/--decode when > 0)")
     p.add_argument("--host", default="127.0.0.1", help="gateway interface")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
-    p.add_argument("--policy", default="prefix", choices=["prefix", "round_robin", "least_loaded"])
-    p.add_argument("--kv-transport", default="zmq", choices=["zmq", "ucx"])
+    p.add_argument("--policy", default=RoutingPolicy.PREFIX.value,
+                   choices=[policy.value for policy in RoutingPolicy])
+    p.add_argument("--kv-transport", default=KVTransport.ZMQ.value,
+                   choices=[t.value for t in KVTransport])
     p.add_argument("--cpu-affinity", action="store_true",
                    help="pin prefill and decode workers to different CPUs")
     p.add_argument("--api-key", default=None)
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_timeout_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=run)
 
@@ -65,7 +71,8 @@ def engine_flag_parser() -> argparse.ArgumentParser:
 
 def engine_flag_actions(flags: argparse.ArgumentParser | None = None) -> list[argparse.Action]:
     """The optional flags ``flags`` defines (by default, the engine flags)."""
-    flags = flags or engine_flag_parser()
+    if flags is None:
+        return add_engine_flags(argparse.ArgumentParser(add_help=False))
     # argparse has no public accessor for a parser's actions; _actions is stable in practice.
     return [a for a in flags._actions if a.option_strings and a.dest != "help"]
 
@@ -97,11 +104,13 @@ def plan(args: argparse.Namespace) -> list[Child]:
     """The children ``up`` runs for these arguments, in start order (router first,
     gateway last), each with its command line and health URL; ports are picked here."""
     engine_flags = engine_argv(args)
+    limits = timeouts(args)  # raises ValueError (one line, exit 2) before anything starts
     py = [sys.executable, "-m", "cli"]
     router_port, router_metrics = free_port(), free_port()
     router = f"tcp://127.0.0.1:{router_port}"
     children = [Child("router", py + ["router", "--port", str(router_port), "--metrics-port",
-                                      str(router_metrics), "--policy", args.policy],
+                                      str(router_metrics), "--policy", args.policy,
+                                      *limits.router_argv()],
                       f"http://127.0.0.1:{router_metrics}/health")]
     roles = ([("worker", "worker", args.colocated)] if args.colocated
              else [("prefill", "prefill", args.prefill), ("decode", "decode", args.decode)])
@@ -112,12 +121,13 @@ def plan(args: argparse.Namespace) -> list[Child]:
     for n, (name, cmd, i) in enumerate(workers):
         port = free_port()
         argv = py + [cmd, "--router", router, "--metrics-port", str(port), *threads,
-                     "--kv-transport", args.kv_transport, "--worker-id", f"{name}-{i}", *engine_flags]
+                     "--kv-transport", args.kv_transport, "--worker-id", f"{name}-{i}",
+                     *limits.worker_argv(), *engine_flags]
         if args.cpu_affinity:
             argv += ["--cpu-affinity", str(_cpu_for(name, i, n, len(workers), cpus))]
         children.append(Child(f"{name}-{i}", argv, f"http://127.0.0.1:{port}/health"))
     gw = py + ["gateway", "--router", router, "--host", args.host, "--port", str(args.port)]
-    gw += _gateway_model_flags(args)
+    gw += _gateway_model_flags(args) + limits.gateway_argv()
     if args.api_key:
         gw += ["--api-key", args.api_key]
     health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

@@ -16,6 +16,8 @@ import queue
 from collections.abc import Callable
 from enum import Enum
 
+from common.protocol import KVAck, ProtocolError, decode
+
 log = logging.getLogger("tandem.connector")
 
 ErrorHook = Callable[[str, str], None]  # (kind, detail); kind is a TransferFailure value
@@ -44,6 +46,19 @@ class FailureLog:
         log.warning("KV transfer failure %s: %s", kind.value, detail)
         if self._hook is not None:
             self._pending.put((kind.value, detail))
+
+    def decode_ack(self, data: bytes | memoryview, source: str) -> KVAck | None:
+        """The ack in ``data``, or None after reporting why it is not one (a confused peer:
+        the transfer it meant will hit its lease deadline)."""
+        try:
+            msg = decode(data)
+        except ProtocolError as e:
+            self.report(TransferFailure.BAD_ACK, f"from {source}: {e}")
+            return None
+        if not isinstance(msg, KVAck):
+            self.report(TransferFailure.BAD_ACK, f"from {source}: expected kv_ack, got {msg.TAG}")
+            return None
+        return msg
 
     def flush(self) -> None:
         if self._hook is None:

@@ -37,7 +37,7 @@ class ZmqSender:
         acks = []
         for addr, sock in self._sockets.items():
             while sock.poll(0):
-                ack = self._decode_ack(addr, sock.recv())
+                ack = self._failures.decode_ack(sock.recv(), addr)
                 if ack is not None:
                     acks.append(ack)
         self._failures.flush()
@@ -47,18 +47,6 @@ class ZmqSender:
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
-
-    def _decode_ack(self, addr: str, data: bytes) -> KVAck | None:
-        # A confused peer: the transfer it meant will hit its lease deadline.
-        try:
-            msg = decode(data)
-        except ProtocolError as e:
-            self._failures.report(TransferFailure.BAD_ACK, f"from {addr}: {e}")
-            return None
-        if not isinstance(msg, KVAck):
-            self._failures.report(TransferFailure.BAD_ACK, f"from {addr}: expected kv_ack, got {msg.TAG}")
-            return None
-        return msg
 
     def _socket(self, addr: str) -> zmq.Socket:
         sock = self._sockets.get(addr)

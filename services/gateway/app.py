@@ -33,6 +33,7 @@ from services.gateway.guards import install_guards
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
 from services.gateway.router_link import RouterLink, RouterUnavailable
 from services.gateway.settings import GatewaySettings
+from services.timeouts import check_admission
 
 log = logging.getLogger("tandem.gateway")
 ROUTER_RETRY_AFTER = 2.0  # seconds a client waits before retrying while the router is away
@@ -75,7 +76,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         gw.link = RouterLink(settings.router, settings.stream_bind, settings.advertise_host)
         gw.link.start()
-        await gw.link.status(timeout=1.0)
+        status = await gw.link.status(timeout=1.0)
+        if status is not None:
+            try:
+                check_admission(settings.admission_timeout, status.queue_timeout)
+            except ValueError as e:
+                log.warning("%s", e)
         log.info("gateway for %s, router %s, tokens at %s", gw.model_name, settings.router,
                  gw.link.reply_to)
         yield

@@ -227,9 +227,9 @@ class RouterService:
         if old is not None:  # a restart: whatever it held is gone
             await self._worker_gone(old)
         if msg.heartbeat_interval * 2 > self.settings.heartbeat_timeout:
-            log.warning("worker %s heartbeats every %g s: the router's --heartbeat-timeout %g s "
-                        "should span at least two", msg.worker_id, msg.heartbeat_interval,
-                        self.settings.heartbeat_timeout)
+            log.warning("worker %s: --heartbeat-timeout %g must span at least two of its "
+                        "--heartbeat-interval %g", msg.worker_id, self.settings.heartbeat_timeout,
+                        msg.heartbeat_interval)
         self.registry.register(msg, self._clock())
         self.index.drop_worker(msg.worker_id)
         self.index.apply(KVEvents(msg.worker_id, stored=msg.cached_blocks))

@@ -17,7 +17,9 @@ process using this transport holds a CUDA context there.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine
@@ -40,6 +42,9 @@ CLOSE_TIMEOUT_S = 10.0
 def ucx_available() -> bool:
     """Whether the optional ucxx package could be imported."""
     return ucxx is not None
+
+
+log = logging.getLogger("tandem.connector")
 
 
 class UcxLoop:
@@ -76,6 +81,15 @@ class UcxLoop:
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         self.loop.call_soon_threadsafe(fn, *args)
+
+    def shut_down(self, owner: str, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run an owner's shutdown on the loop; a stuck or stopped loop is logged, not
+        raised (the process is going away anyway)."""
+        try:
+            self.run(coro, timeout=CLOSE_TIMEOUT_S + 5)
+        except (concurrent.futures.TimeoutError, RuntimeError) as e:
+            coro.close()
+            log.warning("ucx: %s did not close cleanly: %s", owner, type(e).__name__)
 
 
 class TaskSet:

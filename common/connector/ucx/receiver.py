@@ -12,7 +12,6 @@ its next transfer. A partial transfer's buffers die with the task's frame.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import queue
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from common.connector.ucx.framing import (
     recv_message_body,
     send_in_order,
 )
-from common.connector.ucx.loop import CLOSE_TIMEOUT_S, TaskSet, UcxLoop, ucxx
+from common.connector.ucx.loop import TaskSet, UcxLoop, ucxx
 from common.protocol import KVAck, KVHandoff, ProtocolError, decode, encode
 
 
@@ -106,11 +105,7 @@ class UcxReceiver:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._loop.run(self._shutdown(), timeout=CLOSE_TIMEOUT_S + 5)
-        except (concurrent.futures.TimeoutError, RuntimeError) as e:
-            # A stuck or stopped loop means the process is going away anyway.
-            log.warning("ucx: %s did not close cleanly: %s", type(self).__name__, describe(e))
+        self._loop.shut_down(type(self).__name__, self._shutdown())
         self._wake_rx.close(linger=0)
 
     # -- loop thread --

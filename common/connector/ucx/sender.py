@@ -14,7 +14,6 @@ that address dials a new connection.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import queue
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,8 +31,8 @@ from common.connector.ucx.framing import (
     recv_message,
     send_in_order,
 )
-from common.connector.ucx.loop import CLOSE_TIMEOUT_S, TaskSet, UcxLoop, ucxx
-from common.protocol import MAX_MESSAGE_BYTES, KVAck, KVHandoff, ProtocolError, decode, encode
+from common.connector.ucx.loop import TaskSet, UcxLoop, ucxx
+from common.protocol import MAX_MESSAGE_BYTES, KVAck, KVHandoff, encode
 
 # ucxx's default. Dialling a dead port usually fails at once, but ucxx sometimes misses
 # the endpoint error and waits out this whole timeout instead.
@@ -91,11 +90,7 @@ class UcxSender:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._loop.run(self._shutdown(), timeout=CLOSE_TIMEOUT_S + 5)
-        except (concurrent.futures.TimeoutError, RuntimeError) as e:
-            # A stuck or stopped loop means the process is going away anyway.
-            log.warning("ucx: %s did not close cleanly: %s", type(self).__name__, describe(e))
+        self._loop.shut_down(type(self).__name__, self._shutdown())
 
     def _send_raw(self, addr: str, transfer_id: str, messages: Sequence[Any]) -> None:
         """Queue raw messages as one transfer (``send`` builds them; tests craft bad ones)."""
@@ -134,7 +129,8 @@ class UcxSender:
     async def _read_acks(self, link: _Link) -> None:
         try:
             while True:
-                ack = self._decode_ack(link, await recv_message(link.ep, self.frame_timeout_s))
+                ack = self._failures.decode_ack(memoryview(await recv_message(link.ep, self.frame_timeout_s)),
+                                                link.addr)
                 if ack is not None:
                     link.unacked.pop(ack.transfer_id, None)
                     self._acks.put(ack)
@@ -144,19 +140,6 @@ class UcxSender:
             await self._fail(link, TransferFailure.BAD_ACK, f"ucx: bad ack from {link.addr}: {e.reason}")
         except Exception as e:  # any failure ends this connection
             await self._fail(link, TransferFailure.PEER_LOST, f"ucx: connection to {link.addr} lost: {describe(e)}")
-
-    def _decode_ack(self, link: _Link, body: Any) -> KVAck | None:
-        # A confused peer whose framing still holds: the transfer it meant will hit its
-        # lease deadline (or be nacked if the connection dies).
-        try:
-            msg = decode(memoryview(body))
-        except ProtocolError as e:
-            self._failures.report(TransferFailure.BAD_ACK, f"from {link.addr}: {e}")
-            return None
-        if not isinstance(msg, KVAck):
-            self._failures.report(TransferFailure.BAD_ACK, f"from {link.addr}: expected kv_ack, got {msg.TAG}")
-            return None
-        return msg
 
     async def _fail(self, link: _Link, kind: TransferFailure, reason: str) -> None:
         """End a connection: nack what it still owed, forget it so the next send reconnects.
