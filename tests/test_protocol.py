@@ -7,6 +7,8 @@ import pickle
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.hashing import hash_prefix_blocks
 from common.outputs import FinishReason, TokenLogprob
@@ -394,3 +396,32 @@ def test_inconsistent_messages_are_refused_where_decoded(msg: Message, name: str
     assert decode(encode(msg)) == msg
     with pytest.raises(ProtocolError):
         decode(with_field(msg, name, value))
+
+
+# ---- property: any mutation of any message is a ProtocolError or a valid message -------
+
+WIRE_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+              st.text(max_size=6), st.binary(max_size=6)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4),
+                            st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+    max_leaves=8)
+
+
+@settings(max_examples=400, deadline=None)
+@given(index=st.integers(0, len(EXAMPLES) - 1), slot=st.integers(0, 20), value=WIRE_VALUES,
+       drop=st.booleans())
+def test_a_mutated_message_is_refused_or_still_valid(index: int, slot: int, value, drop: bool):
+    msg = EXAMPLES[index]
+    values = fields_of(msg)
+    slot %= len(values)
+    if drop:
+        del values[slot]
+    else:
+        values[slot] = value
+    try:
+        back = decode(raw(msg.TAG, msg.VERSION, values))
+    except ProtocolError:
+        return
+    assert type(back) is type(msg)
+    assert encode(decode(encode(back))) == encode(back)  # consistent and re-encodable (NaN-safe)

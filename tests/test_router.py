@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from dataclasses import replace
 
 import pytest
 import zmq
@@ -665,6 +666,30 @@ async def test_failed_prefill_aborts_the_decode_side(c: Cluster):
     assert await d.expect(Abort) == Abort("r1", "peer failed")
     await c.status(p)
     assert c.service.requests == {}
+
+
+@serve()
+async def test_a_decode_side_failure_aborts_the_prefill_side(c: Cluster):
+    p = await c.worker("p1", "prefill")
+    d = await c.worker("d1", "decode")
+    gw = await c.gateway()
+    await gw.send(submit("r1"))
+    await p.expect(Task)
+    await gw.expect(Admitted)
+    await d.send(Finished("r1", "d1", "request", error="bad KV handoff"))
+    assert await p.expect(Abort) == Abort("r1", "peer failed")
+    await c.assert_quiet(d)  # the failing side is not told again
+    assert c.service.requests == {} and c.service.ledger.requests_on("p1") == []
+    assert c.service.registry.workers["p1"].outstanding_tokens == 0
+    assert c.service.registry.workers["d1"].reserved_blocks == 0
+
+
+@serve()
+async def test_a_worker_that_reregisters_brings_its_cache_into_the_index(c: Cluster):
+    w = c.peer("w1")
+    await w.send(replace(register("w1"), cached_blocks=HASHES[:3]))
+    await c.status(w)
+    assert c.service.index.matched_blocks("w1", HASHES) == 3
 
 
 class ManualClock:
