@@ -179,3 +179,50 @@ def test_an_unreachable_router_is_a_503_with_retry_after(gateway, route, body):
 def test_health_without_a_router_is_503(gateway):
     r = httpx.get(f"{gateway.url}/health", timeout=20)
     assert r.status_code == 503 and r.json()["router"] is False
+
+
+def test_a_full_queue_is_a_429_with_retry_after_over_http(tiny_model_dir):
+    """A real router (its own process) with no room to queue, a prefill worker registered
+    (this test plays it) and no decode worker: nothing can be placed, so the gateway must
+    answer 429 with Retry-After at once, and the next request on the connection too."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    from common.protocol import Ping, Register, Status, decode, encode
+    from common.roles import WorkerRole
+
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "cli", "router", "--port", str(port),
+                               "--metrics-port", "0", "--max-queue", "0"])
+    ctx = zmq.Context()
+    worker = ctx.socket(zmq.DEALER)
+    worker.setsockopt(zmq.IDENTITY, b"p1")
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        worker.send(encode(Register("p1", WorkerRole.PREFILL, None, "http://p1/metrics", 64, 16,
+                                    1024, "tiny", 0.25)))
+        deadline = time.monotonic() + 60
+        while True:  # the router is up and has handled the registration
+            worker.send(encode(Ping(1)))
+            if worker.poll(500):
+                status = decode(worker.recv())
+                if isinstance(status, Status) and status.prefill_workers == 1:
+                    break
+            assert time.monotonic() < deadline and router.poll() is None, "router never answered"
+        settings = GatewaySettings(router=f"tcp://127.0.0.1:{port}", model=str(tiny_model_dir))
+        with ServedGateway(settings) as gw, httpx.Client(timeout=30) as client:
+            first = client.post(f"{gw.url}/v1/completions", json=GOOD_COMPLETION)
+            second = client.post(f"{gw.url}/v1/chat/completions", json=GOOD_CHAT)
+            assert local_port(first) == local_port(second)  # the connection survived
+        for r in (first, second):
+            error = assert_openai_error(r, 429)
+            assert "busy" in error["message"] and error["code"] == "rate_limit_exceeded"
+            assert int(r.headers["retry-after"]) >= 1
+    finally:
+        worker.close()
+        ctx.term()
+        router.terminate()
+        router.wait(20)

@@ -205,7 +205,7 @@ class RequestRun:
         try:
             async for d in self.deltas(request):
                 texts[d.index].append(d.text)
-                logprobs[d.index].extend(self._entries(d))
+                logprobs[d.index].extend(d.tokens)
                 reasons[d.index] = d.finish_reason
         except ClientGone:
             await self._abort()
@@ -225,7 +225,7 @@ class RequestRun:
         fmt = responses.ChunkFormatter(self.parsed)
         try:
             async for d in self.deltas(request):
-                lps = self._entries(d) if self.parsed.logprobs_mode else None
+                lps = d.tokens if self.parsed.logprobs_mode else None
                 yield responses.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason))
             usage = fmt.usage_chunk(self._usage())
             if usage is not None:
@@ -242,11 +242,6 @@ class RequestRun:
         except BaseException:
             await self._abort()
             raise
-
-    def _entries(self, d: ChoiceDelta) -> list[responses.LogprobEntry]:
-        return [responses.LogprobEntry(t.token_id, t.text,
-                                       t.logprob if t.logprob is not None else 0.0, tuple(t.top))
-                for t in d.tokens]
 
     def _usage(self) -> dict:
         a = self.assembler

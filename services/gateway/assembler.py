@@ -15,21 +15,14 @@ from common.model.tokenizer import Detokenizer, Tokenizer
 from common.outputs import TokenLogprob
 from common.protocol import Tokens
 from common.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class TokenInfo:
-    token_id: int
-    text: str
-    logprob: float | None
-    top: list[tuple[int, str, float]]
+from services.gateway.responses import LogprobEntry
 
 
 @dataclass(slots=True)
 class ChoiceDelta:
     index: int
     text: str
-    tokens: list[TokenInfo]
+    tokens: list[LogprobEntry]  # logprob 0.0 and no alternatives unless they were asked for
     finish_reason: str | None
 
 
@@ -98,8 +91,5 @@ class ResponseAssembler:
             return None
         return ChoiceDelta(index, "".join(text), tokens, choice.finish_reason)
 
-    def _token_info(self, token: int, lp: TokenLogprob | None) -> TokenInfo:
-        if lp is None:
-            return TokenInfo(token, self._tok.token_text(token), None, [])
-        return TokenInfo(token, self._tok.token_text(token), lp.logprob,
-                         [(t, self._tok.token_text(t), v) for t, v in lp.top])
+    def _token_info(self, token: int, lp: TokenLogprob | None) -> LogprobEntry:
+        return LogprobEntry.from_engine(lp or TokenLogprob(token, 0.0), self._tok.token_text)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.outputs import TokenLogprob
 from services.gateway.parsing import ParsedRequest
 
 
@@ -27,8 +28,8 @@ class LogprobEntry:
     top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob), best first
 
     @classmethod
-    def from_engine(cls, lp: Any, token_text: Callable[[int], str]) -> LogprobEntry:
-        """From the engine's TokenLogprob (token_id, logprob, top=((id, logprob), ...))."""
+    def from_engine(cls, lp: TokenLogprob, token_text: Callable[[int], str]) -> LogprobEntry:
+        """The engine's (and the wire's) record, with the texts a response shows."""
         return cls(lp.token_id, token_text(lp.token_id), lp.logprob,
                    tuple((t, token_text(t), v) for t, v in lp.top))
 
