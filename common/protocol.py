@@ -89,12 +89,17 @@ class Task(Message):
     handoff_addr: str | None = None  # the chosen decode worker's KV receiver address
 
 
-@message("reregister")
+@message("reregister", version=2)
 @dataclass(frozen=True, slots=True)
 class Reregister(Message):
-    """The router does not know this worker (it was declared dead): register anew."""
+    """The router does not know this worker: register anew.
+
+    ``lost_work``: the router declared the worker dead and failed its requests (drop them);
+    otherwise the router is new (restarted) and the requests are still the worker's to finish.
+    """
 
     worker_id: str
+    lost_work: bool
 
 
 # ---- workers -> gateway ---------------------------------------------------------------

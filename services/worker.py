@@ -218,7 +218,7 @@ class WorkerService:
             elif isinstance(msg, Abort):
                 self._guarded("abort", None, None, lambda m=msg: self._on_abort(m.request_id))
             elif isinstance(msg, Reregister):
-                self._guarded("reregister", None, None, self._rejoin)
+                self._guarded("reregister", None, None, lambda m=msg: self._rejoin(m.lost_work))
             else:
                 log.warning("unexpected %s from the router", msg.TAG)
 
@@ -236,12 +236,17 @@ class WorkerService:
         self.incoming.abort(request_id)
         self.clock.forget(request_id)
 
-    def _rejoin(self) -> None:
-        """The router gave us up for dead and failed our requests: drop them, register anew."""
-        log.warning("the router lost track of this worker: dropping in-flight work, registering again")
-        for request_id in self.engine.request_ids():
-            self._on_abort(request_id)
-        self.incoming.clear()
+    def _rejoin(self, lost_work: bool) -> None:
+        """Register anew. ``lost_work``: the router gave us up for dead and failed our
+        requests, so drop them; otherwise the router restarted and they go on."""
+        if lost_work:
+            log.warning("the router declared this worker dead: dropping in-flight work")
+            for request_id in self.engine.request_ids():
+                self._on_abort(request_id)
+            self.incoming.clear()
+        else:
+            log.info("the router is new: registering again, keeping %d requests",
+                     len(self.engine.request_ids()))
         self._register()
 
     def _fail(self, request_id: str, reply_to: str, error: str) -> None:

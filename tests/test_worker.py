@@ -27,6 +27,7 @@ from common.protocol import (
     Message,
     ProtocolError,
     Register,
+    Reregister,
     Task,
     Tokens,
     decode,
@@ -321,3 +322,17 @@ def test_an_acked_transfer_finishes_the_prefill_stage(prefill_worker):
 def test_protocol_errors_are_value_errors_the_cli_reports():
     assert issubclass(ProtocolError, ValueError)
     assert FinishReason.STOP.value == "stop"
+
+
+@pytest.mark.parametrize("lost_work", [False, True])
+def test_a_reregister_keeps_or_drops_the_work_as_the_router_says(colocated: Harness, lost_work):
+    colocated.send(Task("r", PROMPT, replace(GREEDY, max_tokens=200), colocated.reply_to))
+    colocated.run_until(lambda: len(colocated.output("r")) >= 2)
+    colocated.send(Reregister(colocated.worker.s.worker_id, lost_work=lost_work))
+    colocated.run_until(lambda: any(isinstance(m, Register) for m in colocated.from_worker))
+    if lost_work:  # the router failed r already: it must stop here
+        colocated.run_until(lambda: colocated.worker.engine.stats().num_running == 0)
+        assert len(colocated.output("r")) < 200
+    else:  # a restarted router: r goes on to its end
+        colocated.run_until(lambda: len(colocated.output("r")) == 200)
+    colocated.assert_idle()

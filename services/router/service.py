@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -102,6 +103,7 @@ class RouterService:
         self.queue: AdmissionQueue[Routed] = AdmissionQueue(settings.max_queue, settings.queue_timeout)
         self.requests: dict[str, Routed] = {}
         self.ledger = LoadLedger(self.registry.workers)
+        self._declared_dead: OrderedDict[str, None] = OrderedDict()  # whose work was failed
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
         self._decode_steps = decode_policy()
@@ -223,6 +225,7 @@ class RouterService:
                                           self.settings.queue_timeout))
 
     async def _on_register(self, identity: bytes, msg: Register) -> None:
+        self._declared_dead.pop(msg.worker_id, None)
         old = self.registry.remove(msg.worker_id)
         if old is not None:  # a restart: whatever it held is gone
             await self._worker_gone(old)
@@ -240,8 +243,9 @@ class RouterService:
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         if self.registry.heartbeat(msg, self._clock()) is not None:
             await self._drain_queue()
-        else:  # declared dead earlier but alive after all: its requests are gone already
-            await self._send(msg.worker_id.encode(), Reregister(msg.worker_id))
+        else:  # declared dead earlier (its requests are failed already), or we are new
+            lost = msg.worker_id in self._declared_dead
+            await self._send(msg.worker_id.encode(), Reregister(msg.worker_id, lost_work=lost))
 
     async def _on_kv_events(self, identity: bytes, msg: KVEvents) -> None:
         if msg.worker_id in self.registry.workers:
@@ -307,6 +311,9 @@ class RouterService:
 
     async def _worker_gone(self, worker: WorkerInfo) -> None:
         self.index.drop_worker(worker.worker_id)
+        self._declared_dead[worker.worker_id] = None
+        while len(self._declared_dead) > 4096:
+            self._declared_dead.popitem(last=False)
         for request_id in self.ledger.requests_on(worker.worker_id):
             routed = self.requests.pop(request_id, None)
             holders = self.ledger.release(request_id)
