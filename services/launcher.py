@@ -1,13 +1,15 @@
 """``tandem up``: a whole local cluster — router, workers, gateway — as child processes.
 
 Ports are picked up front on loopback, each child's output is prefixed with its name,
-``up`` returns only once every service reports healthy, and Ctrl-C / SIGTERM stops
-everything: children get SIGTERM, then SIGKILL after a grace period, and they die with
-the launcher even if it is killed outright (``PR_SET_PDEATHSIG``), so nothing is orphaned.
+``up`` returns only once every service reports healthy, then supervises: a child that
+dies is restarted with the same command line (``services.supervision``), and only Ctrl-C /
+SIGTERM stops everything: children get SIGTERM, then SIGKILL after a grace period, and they
+die with the launcher even if it is killed outright (``PR_SET_PDEATHSIG``), so nothing is
+orphaned.
 
 The public surface, shared by ``tandem up`` and the end-to-end tests: ``plan`` (the
 children for a set of ``up`` arguments), ``engine_argv`` (the engine flags forwarded to
-every worker) and ``LocalCluster`` (start / stop those children).
+every worker) and ``LocalCluster`` (start / respawn / stop those children).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from common.config import available_cpus
 from common.connector import KVTransport
 from common.flags import add_engine_flags
 from services.router.policies import RoutingPolicy
+from services.supervision import Supervisor
 from services.timeouts import add_timeout_flags, timeouts
 
 GRACE_SECONDS = 10.0
@@ -161,6 +164,9 @@ class LocalCluster:
 
     def __init__(self, children: list[Child]) -> None:
         self.children = children
+        # Spawning and stopping exclude each other, so no child is started once stop began.
+        self._lock = threading.Lock()
+        self._stopping = False
 
     def start(self, timeout: float, stop: threading.Event | None = None) -> None:
         """Spawn every child and wait for all to be healthy; ``stop`` cuts the wait short.
@@ -174,8 +180,30 @@ class LocalCluster:
             raise
 
     def stop(self) -> None:
-        """SIGTERM to every running child (gateway first), SIGKILL after the grace period."""
+        """SIGTERM to every running child (gateway first), SIGKILL after the grace period.
+        From here on ``respawn`` refuses, so a supervisor cannot bring a child back."""
+        with self._lock:
+            self._stopping = True
         _shutdown(self.children)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def respawn(self, child: Child) -> bool:
+        """Start an exited child again with its same command line; False once stopping."""
+        with self._lock:
+            if self._stopping:
+                return False
+            _spawn(child)
+            return True
+
+    def healthy(self, child: Child) -> bool:
+        return _healthy(child.health_url)
+
+    def log(self, line: str) -> None:
+        """A line of the launcher's own, among the children's prefixed output."""
+        _say("launcher", line)
 
     def exited(self) -> list[Child]:
         return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
@@ -199,19 +227,17 @@ def run(args: argparse.Namespace) -> int:
             _say("launcher", str(e))
             return 1
         _announce(args, cluster.children)
-        while not stop.wait(0.5):
-            dead = cluster.exited()
-            if dead:
-                _say("launcher", f"{dead[0].name} exited with status {dead[0].proc.returncode}: stopping")
-                return 1
+        Supervisor(cluster).run(stop)  # until Ctrl-C / SIGTERM; a dead child is restarted
+        _say("launcher", "stopping")
         return 0
 
 
 def _spawn(child: Child) -> None:
-    child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, text=True, bufsize=1,
-                                  start_new_session=True, preexec_fn=_die_with_parent)
-    threading.Thread(target=_pump, args=(child,), daemon=True, name=f"log-{child.name}").start()
+    proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    child.proc = proc
+    threading.Thread(target=_pump, args=(child, proc), daemon=True, name=f"log-{child.name}").start()
 
 
 def _die_with_parent() -> None:
@@ -219,8 +245,8 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _pump(child: Child) -> None:
-    for line in child.proc.stdout:
+def _pump(child: Child, proc: subprocess.Popen) -> None:
+    for line in proc.stdout:  # this process's output, even after a restart replaced it
         line = line.rstrip("\n")
         child.tail = (child.tail + [line])[-20:]
         _say(child.name, line)

@@ -2,7 +2,8 @@
 
 Every service is its own process on loopback; ``Cluster`` plans and starts them through
 ``services.launcher`` (so the launcher is tested too), waits until all report healthy,
-and stops them all on exit.
+and stops them all on exit. With ``supervise=True`` a ``Supervisor`` watches them as under
+``tandem up`` (a killed child is restarted); without it, a killed child stays dead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from cli.main import build_parser
 from common.addresses import free_port
 from services import launcher
+from services.supervision import Supervisor
 
 
 class MissingMetricError(AssertionError):
@@ -31,6 +33,7 @@ class Cluster:
     policy: str = "prefix"
     kv_transport: str = "zmq"
     extra: tuple[str, ...] = ("--num-kv-blocks", "512")
+    supervise: bool = False
 
     def __enter__(self) -> Cluster:
         self.port = free_port()
@@ -43,10 +46,13 @@ class Cluster:
             self.local.start(timeout=240)
         except launcher.StartupError as e:
             raise RuntimeError(f"cluster did not become healthy: {e}\n{self.logs()}") from e
+        self.supervisor = Supervisor(self.local).start() if self.supervise else None
         return self
 
     def __exit__(self, *exc) -> None:
         self.local.stop()
+        if self.supervisor is not None:  # after stop: its restarted children die with its thread
+            self.supervisor.close()
 
     @property
     def children(self) -> list[launcher.Child]:
@@ -60,6 +66,10 @@ class Cluster:
     def router(self) -> launcher.Child:
         [router] = [c for c in self.children if c.name == "router"]
         return router
+
+    def child(self, name: str) -> launcher.Child:
+        [child] = [c for c in self.children if c.name == name]
+        return child
 
     def workers(self, role: str | None = None) -> list[launcher.Child]:
         names = ("prefill", "decode", "worker") if role is None else (role,)
