@@ -116,6 +116,7 @@ class Tokens(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed on the server side
+    retryable: bool = False  # with error: a worker was lost, the request may run elsewhere
 
     def __post_init__(self) -> None:
         _require(self.choice >= 0 and self.index >= 0, "tokens.choice and index must be >= 0")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from common.flags import default_of
+from common.flags import default_of, env
 from services.gateway.settings import GatewaySettings
 from services.router.service import RouterSettings
 from services.worker import WorkerSettings
@@ -61,8 +61,8 @@ def check_heartbeat(interval: float, timeout: float) -> None:
 
 def add_timeout_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("timeouts (checked against each other)")
-    for f in fields(Timeouts):
-        g.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default)
+    for f in fields(Timeouts):  # TANDEM_<NAME> as for the services themselves
+        g.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=env(f.name, f.default, float))
 
 
 def timeouts(args: argparse.Namespace) -> Timeouts:

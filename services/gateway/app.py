@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from services.gateway.assembler import ChoiceDelta, ResponseAssembler
 from services.gateway.errors import APIError
 from services.gateway.guards import install_guards
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
+from services.gateway.resume import Attempt, continuation
 from services.gateway.router_link import RouterLink, RouterUnavailable
 from services.gateway.settings import GatewaySettings
 from services.timeouts import check_admission
@@ -50,6 +52,8 @@ class Gateway:
         self.model_name = settings.served_model_name or source.name
         self.registry = CollectorRegistry()
         self.metrics = RequestMetrics(self.registry)
+        self.migrations = Counter("tandem:request_migrations", "Requests moved to another "
+                                  "worker after theirs died", registry=self.registry)
         self.http_requests = Counter("tandem:http_requests", "HTTP responses", ["status"],
                                      registry=self.registry)
         self.link: RouterLink | None = None
@@ -159,6 +163,7 @@ class RequestRun:
     def __init__(self, gw: Gateway, parsed: ParsedRequest, assembler: ResponseAssembler,
                  channel: asyncio.Queue[Tokens]) -> None:
         self.gw, self.parsed, self.assembler, self.channel = gw, parsed, assembler, channel
+        self.attempt = Attempt(parsed.request_id)
         self.start = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -169,10 +174,35 @@ class RequestRun:
         while not self.assembler.finished:
             msg = await self._next(request, timeout)
             if msg.error:
-                raise APIError.unavailable(msg.error)
+                why_not = await self._move() if msg.retryable else "it cannot be retried"
+                if why_not is None:
+                    continue  # the rest comes from another worker, on a new channel
+                raise APIError.unavailable(f"{msg.error} ({why_not})")
+            if self.attempt.offset:
+                msg = dataclasses.replace(msg, index=msg.index + self.attempt.offset)
             for delta in self.assembler.feed(msg):
                 self._observe(delta, msg)
                 yield delta
+
+    async def _move(self) -> str | None:
+        """Continue the request on another worker; None when it was placed, else why not."""
+        nxt = continuation(self.parsed, self.attempt, self.assembler.delivered(0))
+        if isinstance(nxt, str):
+            return nxt
+        self.gw.link.release(self.attempt.request_id)
+        try:
+            admission = await self.gw.link.submit(nxt.attempt.request_id, nxt.prompt_token_ids,
+                                                  nxt.params, self.gw.settings.admission_timeout)
+        except RouterUnavailable as e:
+            return f"no worker could take it over: {e}"
+        if isinstance(admission.verdict, Rejected):
+            return f"no worker could take it over: {admission.verdict.reason}"
+        log.info("%s moved to another worker after %d tokens", self.parsed.request_id,
+                 nxt.attempt.offset)
+        self.gw.migrations.inc()
+        self.assembler.forget_held()
+        self.attempt, self.channel = nxt.attempt, admission.channel
+        return None
 
     async def _next(self, request: Request, timeout: float) -> Tokens:
         deadline = time.monotonic() + timeout
@@ -254,14 +284,14 @@ class RequestRun:
         m.generation_tokens.inc(self.assembler.num_completion_tokens)
         m.success.labels("stop" if self.ended_here else "finished").inc()
         if self.ended_here:
-            await self.gw.link.abort(self.parsed.request_id, "stop string")
+            await self.gw.link.abort(self.attempt.request_id, "stop string")
         else:
-            self.gw.link.release(self.parsed.request_id)
+            self.gw.link.release(self.attempt.request_id)
 
     async def _abort(self) -> None:
         self.gw.metrics.success.labels("abort").inc()
         with contextlib.suppress(Exception):
-            await asyncio.shield(self.gw.link.abort(self.parsed.request_id))
+            await asyncio.shield(self.gw.link.abort(self.attempt.request_id))
 
 
 class ClientGone(Exception):

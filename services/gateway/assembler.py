@@ -31,8 +31,12 @@ class _Choice:
     text_stream: Detokenizer
     next_index: int = 0
     held: dict[int, tuple[int, TokenLogprob | None, str | None]] = field(default_factory=dict)
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # put out so far
     finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 class ResponseAssembler:
@@ -54,11 +58,22 @@ class ResponseAssembler:
     def num_completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self._choices)
 
+    def delivered(self, choice: int) -> list[int]:
+        """The choice's output tokens put out so far, in order (what a new worker continues)."""
+        return list(self._choices[choice].token_ids)
+
+    def forget_held(self) -> None:
+        """Drop tokens waiting for a gap to fill: their worker is gone and the gap never will."""
+        for c in self._choices:
+            c.held.clear()
+
     def feed(self, msg: Tokens) -> list[ChoiceDelta]:
         """Accept one message; returns the deltas it completes (possibly none)."""
         if not 0 <= msg.choice < len(self._choices):
             return []
-        self.num_cached_tokens = max(self.num_cached_tokens, msg.num_cached_tokens)
+        # A continuation's prompt is longer than the client's: never count beyond the latter.
+        self.num_cached_tokens = min(max(self.num_cached_tokens, msg.num_cached_tokens),
+                                     self.num_prompt_tokens)
         choice = self._choices[msg.choice]
         if choice.finish_reason is not None:
             return []  # ended by a stop string; the workers have not heard yet
@@ -78,7 +93,7 @@ class ResponseAssembler:
             token, lp, reason = choice.held.pop(choice.next_index)
             choice.next_index += 1
             if token >= 0:
-                choice.num_tokens += 1
+                choice.token_ids.append(token)
                 tokens.append(self._token_info(token, lp))
                 delta = choice.text_stream.push(token)
                 text.append(delta.text)

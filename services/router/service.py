@@ -68,7 +68,10 @@ class RouterSettings:
     load_weight: float = 1.0  # prefix policy: outstanding tokens that cancel one cached token
     max_queue: int = 256
     queue_timeout: float = 60.0
-    heartbeat_timeout: float = 5.0  # silence after which a worker is declared dead
+    # Silence after which a worker is declared dead: four of its 0.25 s heartbeats, so one
+    # late beat on a loaded machine is not a death, and a killed worker's requests move on
+    # within a second.
+    heartbeat_timeout: float = 1.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
 
@@ -320,7 +323,7 @@ class RouterService:
             if routed is None:
                 continue
             await self._send(routed.gateway, Tokens(request_id, 0, 0, [], error=(
-                f"worker {worker.worker_id} failed while serving the request")))
+                f"worker {worker.worker_id} failed while serving the request"), retryable=True))
             for other in holders - {worker.worker_id}:
                 await self._send(other.encode(), Abort(request_id, "peer failed"))
 
