@@ -70,6 +70,10 @@ def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
                         "(longer than the KV transport's frame timeout)")
     p.add_argument("--heartbeat-interval", type=float,
                    default=env("heartbeat_interval", default_of(W, "heartbeat_interval"), float))
+    p.add_argument("--kv-faults", default=env("kv_faults"), metavar="SPEC",
+                   help="TEST ONLY: a prefill worker drops, truncates, corrupts or delays KV "
+                        "transfers on purpose, e.g. 'drop=0.05,corrupt=0.05,delay=0.05:0.5,seed=7' "
+                        "(syntax: common/connector/faults.py); off unless given")
     p.add_argument("--cpu-affinity", default=env("cpu_affinity"),
                    help="CPUs to pin this process to, e.g. 0 or 0-1 or 0,2")
     add_engine_flags(p)
@@ -148,7 +152,7 @@ def run_worker(args: argparse.Namespace) -> int:
         role=args.role, router=args.router, kv_transport=args.kv_transport, kv_bind=kv_bind,
         metrics_host=args.host,
         metrics_port=args.metrics_port, advertise_host=host, lease_seconds=args.lease_seconds,
-        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_interval=args.heartbeat_interval, kv_faults=args.kv_faults or None,
         **({"worker_id": args.worker_id} if args.worker_id else {}))
     engine = Engine(engine_config(args), detokenize=False)
     service = WorkerService(settings, engine)

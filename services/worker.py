@@ -28,9 +28,10 @@ from prometheus_client import CollectorRegistry
 
 from common.addresses import reachable
 from common.connector import KVTransport, ReceivedTransfer, make_receiver, make_sender
+from common.connector.faults import FaultPlan
 from common.connector.transfers import IncomingTransfers, OutgoingTransfers, TransferOutcome
 from common.engine.engine import Engine, SeqUpdate
-from common.engine.handoff import from_wire, to_wire
+from common.engine.handoff import Handoff, from_wire, to_wire
 from common.errors import InvalidRequestError
 from common.metrics import EngineMetrics, MetricsServer, ServiceHealth
 from common.protocol import (
@@ -70,12 +71,23 @@ class WorkerSettings:
     lease_seconds: float = 40.0  # unacked this long, a shipped request's blocks are freed (> the
     # transport's frame timeout, 30 s for UCX, so a slow transfer is never freed mid-send)
     heartbeat_interval: float = 0.25
+    kv_transfer_attempts: int = 2  # a failed transfer goes once more, same blocks, new id
+    kv_faults: FaultPlan | str | None = None  # TEST ONLY: injected transfer faults (a spec string
+    # is parsed: see common.connector.faults); None, the default, injects nothing
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", WorkerRole(self.role))
         object.__setattr__(self, "kv_transport", KVTransport(self.kv_transport))
+        if isinstance(self.kv_faults, str):
+            object.__setattr__(self, "kv_faults", FaultPlan.parse(self.kv_faults))
         if self.lease_seconds <= 0 or self.heartbeat_interval <= 0:
             raise ValueError("lease_seconds and heartbeat_interval must be > 0")
+        if self.kv_transfer_attempts < 1:
+            raise ValueError(f"kv_transfer_attempts must be >= 1, got {self.kv_transfer_attempts}")
+        if self.kv_faults is not None and self.kv_faults.delays and self.kv_faults.delay_s >= self.lease_seconds:
+            # a copy still on its way when the lease ends would be sent again: twice at decode
+            raise ValueError(f"KV fault delay {self.kv_faults.delay_s:g} s must be shorter than "
+                             f"the lease of {self.lease_seconds:g} s")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port {self.metrics_port} is not a port")
 
@@ -86,6 +98,18 @@ def _check_lease(lease_seconds: float, frame_timeout_s: float | None) -> None:
     if frame_timeout_s is not None and lease_seconds <= frame_timeout_s:
         raise ValueError(f"--lease-seconds {lease_seconds:g} must exceed the KV transport's "
                          f"frame timeout of {frame_timeout_s:g} s")
+
+
+def _warn_faults(settings: WorkerSettings) -> None:
+    """Fault injection is for tests: a worker running with it must say so, loudly."""
+    if settings.kv_faults is None:
+        return
+    if settings.role is not WorkerRole.PREFILL:
+        log.warning("--kv-faults has no effect on a %s worker (only senders inject faults)",
+                    settings.role.value)
+        return
+    log.warning("*** TEST ONLY: KV transfer fault injection is ON (%s): this worker drops, "
+                "truncates, corrupts or delays transfers on purpose ***", settings.kv_faults.spec)
 
 
 class WorkerService:
@@ -101,14 +125,17 @@ class WorkerService:
         self._registry = CollectorRegistry()
         self.metrics = EngineMetrics(self._registry)
         self.sender = self.receiver = None
+        _warn_faults(settings)
         if settings.role is WorkerRole.PREFILL:
-            self.sender = make_sender(settings.kv_transport, on_error=self._connector_error)
+            self.sender = make_sender(settings.kv_transport, on_error=self._connector_error,
+                                      faults=settings.kv_faults)
             _check_lease(settings.lease_seconds, self.sender.frame_timeout_s)
         else:
             self.receiver = make_receiver(settings.kv_transport,
                                           settings.kv_bind or "tcp://127.0.0.1:0",
                                           on_error=self._connector_error)
-        self.outgoing = OutgoingTransfers(settings.lease_seconds)
+        self.outgoing = OutgoingTransfers(settings.lease_seconds,
+                                          max_attempts=settings.kv_transfer_attempts)
         self.incoming = IncomingTransfers()
         self.http = MetricsServer(self._registry, settings.metrics_host, settings.metrics_port,
                                   self._health)
@@ -288,18 +315,22 @@ class WorkerService:
                           lambda h=h, meta=meta: self._ship(h, meta.reply_to, meta.handoff_addr),
                           abort=True)
 
-    def _ship(self, h, reply_to: str, addr: str) -> None:
+    def _ship(self, h: Handoff, reply_to: str, addr: str, attempt: int = 1) -> None:
+        """Send the request's blocks; they stay lent (allocated) until the transfer ends."""
         transfer_id = f"{h.request_id}:{uuid.uuid4().hex[:8]}"
         blocks = self.engine.export_blocks(h.block_ids)
         header = to_wire(h, transfer_id, reply_to, self.engine.kv_layout, self.engine.block_nbytes)
         self.sender.send(addr, header, blocks)
-        self.outgoing.open(transfer_id, h.request_id, sum(b.nbytes for b in blocks))
+        self.outgoing.open(transfer_id, h.request_id, sum(b.nbytes for b in blocks),
+                           attempt=attempt, resend=h)
 
     def _settle_transfers(self) -> None:
         for outcome in self.outgoing.settle(self.sender.poll_acks()) + self.outgoing.expire():
             self._end_transfer(outcome)
 
     def _end_transfer(self, t: TransferOutcome) -> None:
+        if t.retry and self._retry_transfer(t):
+            return
         meta = self.clock.get(t.request_id)
         self.engine.abort(t.request_id)  # frees the blocks: they stay in the prefix cache
         self.clock.forget(t.request_id)
@@ -309,12 +340,25 @@ class WorkerService:
             self._send_router(Finished(t.request_id, self.s.worker_id, FinishStage.PREFILL))
             return
         self.metrics.kv_failures.labels("send").inc()
-        log.warning("KV transfer of %s failed: %s", t.request_id, t.error)
+        error = f"KV transfer failed (attempt {t.attempt} of {self.outgoing.max_attempts}): {t.error}"
+        log.warning("%s: %s", t.request_id, error)
         if meta is not None:
-            self.pushers.send(meta.reply_to, Tokens(t.request_id, 0, 1, [],
-                                                    error=f"KV transfer failed: {t.error}"))
+            self.pushers.send(meta.reply_to, Tokens(t.request_id, 0, 1, [], error=error))
         self._send_router(Finished(t.request_id, self.s.worker_id, FinishStage.PREFILL,
                                    error=t.error))
+
+    def _retry_transfer(self, t: TransferOutcome) -> bool:
+        """Send a failed transfer's blocks again under a new id; False when the request is
+        gone (then the failure simply ends it)."""
+        meta = self.clock.get(t.request_id)
+        if meta is None or meta.handoff_addr is None:
+            return False
+        self.metrics.kv_failures.labels("retried").inc()
+        log.warning("KV transfer %s failed (%s): sending it again", t.transfer_id, t.error)
+        self._guarded("ship", t.request_id, meta.reply_to,
+                      lambda: self._ship(t.resend, meta.reply_to, meta.handoff_addr, t.attempt + 1),
+                      abort=True)
+        return True
 
     # ---- decode side: taking KV in ----------------------------------------------------
 

@@ -27,6 +27,7 @@ import pytest
 import zmq
 
 from common.connector import KVTransport, ReceivedTransfer, make_receiver, make_sender
+from common.connector.faults import Fault, FaultPlan, FaultySender
 from common.connector.lease import LeaseTable
 from common.connector.ucx import ucx_available  # also sets UCX_* env before ucxx loads
 from common.connector.zmq import ZmqReceiver, ZmqSender
@@ -308,6 +309,39 @@ def test_malformed_transfer_is_rejected_and_nacked(harness: Harness, case: str) 
     assert len(good) == 1 and same_bytes(good[0].blocks, good_blocks)
     if harness.kind != "ucx":
         assert len(harness.received) == 1  # zmq keeps the connection: first good one arrives
+
+
+# ---- (c'') the test-only fault hook's faults are refused the same way -----------------
+
+
+@pytest.mark.parametrize("fault", ["drop", "truncate", "corrupt"])
+def test_an_injected_fault_never_delivers_and_the_next_transfer_arrives(harness: Harness, fault: str) -> None:
+    faulty = FaultySender(harness.sender, FaultPlan.parse(f"script={fault}"))
+    assert faulty.frame_timeout_s == harness.sender.frame_timeout_s
+    faulty.send(harness.receiver.address, handoff("hurt", 3, BLOCK), views(random_blocks(3, BLOCK, seed=6)))
+
+    # Then clean transfers until one is acked: over ucx a refused transfer drops the
+    # connection, which may nack the first clean one (the next reconnects).
+    good_blocks = random_blocks(2, BLOCK, seed=7)
+    attempt = [f"good-{uuid.uuid4().hex[:8]}"]
+    faulty.send(harness.receiver.address, handoff(attempt[0], 2, BLOCK), views(good_blocks))
+
+    def settled() -> bool:
+        ack = harness.ack_for(attempt[0])
+        if ack is not None and not ack.ok:
+            attempt[0] = f"good-{uuid.uuid4().hex[:8]}"
+            faulty.send(harness.receiver.address, handoff(attempt[0], 2, BLOCK), views(good_blocks))
+            return False
+        refused = fault == "drop" or any(not a.ok and a.transfer_id in ("hurt", "") for a in harness.acks)
+        return ack is not None and refused
+
+    harness.wait(settled, f"the {fault} refused and a clean transfer acked")
+    assert "hurt" not in harness.received_ids() and faulty.injected == {Fault(fault): 1}
+    [good] = [t for t in harness.received if t.header.transfer_id == attempt[0]]
+    assert same_bytes(good.blocks, good_blocks)
+    assert harness.error_kinds("receiver") == ([] if fault == "drop" else ["bad_transfer"])
+    if fault == "drop":
+        assert harness.ack_for("hurt") is None  # nobody can nack what never left
 
 
 # ---- (c') a confused receiver's acks are reported -------------------------------------

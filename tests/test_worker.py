@@ -270,7 +270,9 @@ def test_a_handoff_waits_for_room_and_then_runs(decode_worker: Harness):
 
 @pytest.fixture
 def prefill_worker(tiny_model_dir) -> Iterator[tuple[Harness, object]]:
-    h = Harness(tiny_model_dir, WorkerRole.PREFILL, lease_seconds=0.5)
+    # One attempt: these cases are how a single transfer ends; tests/test_kv_faults.py
+    # covers the retry of a failed one.
+    h = Harness(tiny_model_dir, WorkerRole.PREFILL, lease_seconds=0.5, kv_transfer_attempts=1)
     peer = make_receiver("zmq", "tcp://127.0.0.1:0")
     yield h, peer
     peer.close()

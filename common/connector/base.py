@@ -66,6 +66,11 @@ class KVSender(Protocol):
         """Queue one transfer to the receiver at ``addr``; returns at once."""
         ...
 
+    def send_encoded(self, addr: str, transfer_id: str, head: bytes, blocks: Sequence[memoryview]) -> None:
+        """``send`` with the header already encoded, sent as given (unchecked): what the
+        test-only fault hook (``common.connector.faults``) uses to send a bad one."""
+        ...
+
     def poll_acks(self) -> list[KVAck]:
         """Acks (and nacks) that arrived since the last call; runs the on_error hook."""
         ...

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from common.connector.base import KVReceiver, KVSender, KVTransport
 from common.connector.failures import ErrorHook
+from common.connector.faults import FaultPlan, FaultySender
 
 
 def transport(kind: KVTransport | str) -> KVTransport:
@@ -28,9 +29,18 @@ def _frame_timeout(frame_timeout_s: float | None, default: float) -> float:
 
 
 def make_sender(kind: KVTransport | str, *, on_error: ErrorHook | None = None,
-                frame_timeout_s: float | None = None) -> KVSender:
-    """A sender; ``frame_timeout_s`` None keeps the transport's default (zmq has none)."""
-    if transport(kind) is KVTransport.UCX:
+                frame_timeout_s: float | None = None, faults: FaultPlan | None = None) -> KVSender:
+    """A sender; ``frame_timeout_s`` None keeps the transport's default (zmq has none).
+    ``faults`` (TEST ONLY, see ``common.connector.faults``) wraps it in a ``FaultySender``."""
+    sender = _transport_sender(transport(kind), on_error, frame_timeout_s)
+    if faults is None:
+        return sender
+    return FaultySender(sender, faults)
+
+
+def _transport_sender(kind: KVTransport, on_error: ErrorHook | None,
+                      frame_timeout_s: float | None) -> KVSender:
+    if kind is KVTransport.UCX:
         from common.connector.ucx import FRAME_TIMEOUT_S, UcxSender
 
         return UcxSender(_frame_timeout(frame_timeout_s, FRAME_TIMEOUT_S), on_error=on_error)

@@ -3,7 +3,10 @@
 ``OutgoingTransfers`` (prefill side): every transfer it opens ends exactly once — acked,
 nacked, expired or cancelled — and each end comes back as a ``TransferOutcome`` naming
 the request, so the worker frees that request's blocks exactly once and records the
-bytes and seconds it took. It owns the leases (``LeaseTable``) and the send times.
+bytes and seconds it took. It owns the leases (``LeaseTable``), the send times and the
+attempt count: a transfer that failed (nacked or expired, not cancelled) before its
+``max_attempts``-th attempt comes back with ``retry`` set and what the worker gave to send
+it again (``resend``) — its blocks are still lent, so it can go again under a new id.
 
 ``IncomingTransfers`` (decode side): transfers that arrived but wait for free cache
 blocks, and the requests aborted before their KV arrived (a late transfer for one of
@@ -18,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from common.connector.base import ReceivedTransfer
 from common.connector.lease import Lease, LeaseTable
@@ -33,6 +37,9 @@ class TransferOutcome:
     nbytes: int
     seconds: float  # from send to this outcome
     error: str | None = None  # None: the receiver has the bytes
+    attempt: int = 1  # 1 for the first send of a request's blocks, 2 for the retry, ...
+    retry: bool = False  # failed with attempts left: send it again (the blocks are still lent)
+    resend: Any = None  # as given to ``open``, untouched (the worker's Handoff)
 
     @property
     def ok(self) -> bool:
@@ -43,21 +50,28 @@ class TransferOutcome:
 class _Sent:
     nbytes: int
     started: float
+    attempt: int
+    resend: Any
 
 
 class OutgoingTransfers:
-    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic,
+                 max_attempts: int = 1) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self._clock = clock
         self._leases = LeaseTable(lease_seconds, clock)
         self._sent: dict[str, _Sent] = {}
+        self.max_attempts = max_attempts
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def open(self, transfer_id: str, request_id: str, nbytes: int) -> None:
+    def open(self, transfer_id: str, request_id: str, nbytes: int, *, attempt: int = 1,
+             resend: Any = None) -> None:
         """A transfer was handed to the sender: its blocks are lent until it ends."""
         self._leases.open(transfer_id, request_id)
-        self._sent[transfer_id] = _Sent(nbytes, self._clock())
+        self._sent[transfer_id] = _Sent(nbytes, self._clock(), attempt, resend)
 
     def settle(self, acks: Iterable[KVAck]) -> list[TransferOutcome]:
         """Outcomes of acks (ok) and nacks (error); acks of unknown transfers are ignored."""
@@ -74,12 +88,14 @@ class OutgoingTransfers:
 
     def cancel(self, request_id: str) -> list[TransferOutcome]:
         """End an aborted request's transfers (the worker frees its blocks with the abort)."""
-        return [self._end(lease, "aborted") for lease in self._leases.cancel(request_id)]
+        return [self._end(lease, "aborted", retry=False) for lease in self._leases.cancel(request_id)]
 
-    def _end(self, lease: Lease, error: str | None) -> TransferOutcome:
+    def _end(self, lease: Lease, error: str | None, retry: bool = True) -> TransferOutcome:
         sent = self._sent.pop(lease.transfer_id)
+        retry = retry and error is not None and sent.attempt < self.max_attempts
         return TransferOutcome(lease.transfer_id, lease.request_id, sent.nbytes,
-                               self._clock() - sent.started, error)
+                               self._clock() - sent.started, error, sent.attempt, retry,
+                               sent.resend)
 
 
 class IncomingTransfers:

@@ -30,8 +30,10 @@ class ZmqSender:
         self._failures = FailureLog(on_error)
 
     def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
-        sock = self._socket(addr)
-        sock.send_multipart([encode(header), *blocks], copy=False)
+        self.send_encoded(addr, header.transfer_id, encode(header), blocks)
+
+    def send_encoded(self, addr: str, transfer_id: str, head: bytes, blocks: Sequence[memoryview]) -> None:
+        self._socket(addr).send_multipart([head, *blocks], copy=False)
 
     def poll_acks(self) -> list[KVAck]:
         acks = []

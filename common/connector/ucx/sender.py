@@ -74,7 +74,10 @@ class UcxSender:
         head = encode(header)
         if len(head) > MAX_MESSAGE_BYTES:
             raise ValueError(f"header of {len(head)} bytes exceeds {MAX_MESSAGE_BYTES}")
-        self._send_raw(addr, header.transfer_id, [*framed(head), *blocks])
+        self.send_encoded(addr, header.transfer_id, head, blocks)
+
+    def send_encoded(self, addr: str, transfer_id: str, head: bytes, blocks: Sequence[memoryview]) -> None:
+        self._send_raw(addr, transfer_id, [*framed(head), *blocks])
 
     def poll_acks(self) -> list[KVAck]:
         acks = []
