@@ -258,8 +258,8 @@ class WorkerService:
                          task.handoff_addr)
 
     def _on_abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-        self.outgoing.cancel(request_id)
+        if not self.outgoing.cancel(request_id):  # else the blocks stay lent until it ends
+            self.engine.abort(request_id)
         self.incoming.abort(request_id)
         self.clock.forget(request_id)
 
@@ -329,6 +329,9 @@ class WorkerService:
             self._end_transfer(outcome)
 
     def _end_transfer(self, t: TransferOutcome) -> None:
+        if t.cancelled:  # aborted while in flight: the transport is done with the blocks now
+            self.engine.abort(t.request_id)
+            return
         if t.retry and self._retry_transfer(t):
             return
         meta = self.clock.get(t.request_id)

@@ -73,12 +73,22 @@ def test_each_transfer_ends_exactly_once():
     assert len(out) == 0 and out.expire() == [] and out.settle([KVAck("t3", True)]) == []
 
 
-def test_cancel_ends_only_that_requests_transfers():
-    out = OutgoingTransfers(lease_seconds=5.0, clock=FakeClock())
+def test_a_cancelled_transfer_keeps_its_blocks_lent_until_it_ends():
+    """An abort cannot take blocks back from a transport that may still be reading them:
+    the transfer ends as usual, marked cancelled, and only then are they free."""
+    clock = FakeClock()
+    out = OutgoingTransfers(lease_seconds=5.0, clock=clock, max_attempts=2)
     out.open("a", "r1", 1)
     out.open("b", "r2", 1)
-    assert [t.transfer_id for t in out.cancel("r1")] == ["a"]
-    assert out.cancel("r1") == [] and len(out) == 1
+    assert out.cancel("r1") and not out.cancel("r9")
+    assert len(out) == 2  # still lent
+    [a] = out.settle([KVAck("a", True)])
+    assert (a.request_id, a.cancelled, a.retry) == ("r1", True, False)
+    out.open("c", "r3", 1)
+    out.cancel("r3")
+    clock.now += 5.0
+    ended = {t.transfer_id: (t.cancelled, t.retry) for t in out.expire()}
+    assert ended == {"b": (False, True), "c": (True, False)}  # an aborted one is never resent
 
 
 def test_a_nack_without_reason_is_still_an_error():

@@ -39,6 +39,10 @@ class LeaseTable:
         """The lease an ack ends, or None for an unknown or already expired transfer."""
         return self._leases.pop(ack.transfer_id, None)
 
+    def transfers_of(self, request_id: str) -> list[str]:
+        """The ids of a request's open leases."""
+        return [t for t, lease in self._leases.items() if lease.request_id == request_id]
+
     def cancel(self, request_id: str) -> list[Lease]:
         """End the leases of an aborted request."""
         gone = [lease for lease in self._leases.values() if lease.request_id == request_id]

@@ -40,6 +40,7 @@ class TransferOutcome:
     attempt: int = 1  # 1 for the first send of a request's blocks, 2 for the retry, ...
     retry: bool = False  # failed with attempts left: send it again (the blocks are still lent)
     resend: Any = None  # as given to ``open``, untouched (the worker's Handoff)
+    cancelled: bool = False  # its request was aborted meanwhile: just free the blocks now
 
     @property
     def ok(self) -> bool:
@@ -62,6 +63,7 @@ class OutgoingTransfers:
         self._clock = clock
         self._leases = LeaseTable(lease_seconds, clock)
         self._sent: dict[str, _Sent] = {}
+        self._cancelled: set[str] = set()  # transfer ids whose request was aborted
         self.max_attempts = max_attempts
 
     def __len__(self) -> int:
@@ -86,16 +88,25 @@ class OutgoingTransfers:
         """Transfers whose lease ran out unacked: failed."""
         return [self._end(lease, "KV transfer lease expired") for lease in self._leases.expired()]
 
-    def cancel(self, request_id: str) -> list[TransferOutcome]:
-        """End an aborted request's transfers (the worker frees its blocks with the abort)."""
-        return [self._end(lease, "aborted", retry=False) for lease in self._leases.cancel(request_id)]
+    def cancel(self, request_id: str) -> bool:
+        """An aborted request: True when a transfer out of its blocks is still in flight.
 
-    def _end(self, lease: Lease, error: str | None, retry: bool = True) -> TransferOutcome:
+        The transport may still be reading those blocks, so they stay lent: the transfer
+        ends as usual (ack, nack or lease expiry), with ``cancelled`` set and no retry, and
+        only then may the worker free them.
+        """
+        ids = self._leases.transfers_of(request_id)
+        self._cancelled.update(ids)
+        return bool(ids)
+
+    def _end(self, lease: Lease, error: str | None) -> TransferOutcome:
         sent = self._sent.pop(lease.transfer_id)
-        retry = retry and error is not None and sent.attempt < self.max_attempts
+        cancelled = lease.transfer_id in self._cancelled
+        self._cancelled.discard(lease.transfer_id)
+        retry = not cancelled and error is not None and sent.attempt < self.max_attempts
         return TransferOutcome(lease.transfer_id, lease.request_id, sent.nbytes,
                                self._clock() - sent.started, error, sent.attempt, retry,
-                               sent.resend)
+                               sent.resend, cancelled)
 
 
 class IncomingTransfers:
