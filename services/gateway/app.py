@@ -27,7 +27,7 @@ from common.model.loader import resolve_model
 from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
 from common.protocol import Rejected, Tokens
-from services.gateway import responses
+from services.gateway import openapi, responses
 from services.gateway.assembler import ChoiceDelta, ResponseAssembler
 from services.gateway.disconnect import ClientGone, ClientWatch
 from services.gateway.errors import APIError
@@ -99,7 +99,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         ready = status is not None and status.prefill_workers > 0 and status.decode_workers > 0
         detail = {"status": "ok" if ready else "unavailable", "router": status is not None,
                   "prefill_workers": status.prefill_workers if status else 0,
-                  "decode_workers": status.decode_workers if status else 0}
+                  "decode_workers": status.decode_workers if status else 0,
+                  "tokens_at": gw.link.reply_to}  # where workers push tokens (PULL)
         return JSONResponse(detail, status_code=200 if ready else 503)
 
     @app.get("/metrics")
@@ -110,11 +111,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def models() -> JSONResponse:
         return JSONResponse(responses.models_list([gw.model_name], gw.max_model_len, gw.created))
 
-    @app.post("/v1/chat/completions")
+    vocab = gw.spec.vocab_size
+    chat_doc = openapi.operation(openapi.chat_request(gw.model_name, vocab), "chat.completion")
+    completion_doc = openapi.operation(openapi.completion_request(gw.model_name, vocab),
+                                       "text_completion")
+
+    @app.post("/v1/chat/completions", openapi_extra=chat_doc)
     async def chat(request: Request) -> Response:
         return await handle(gw, request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=completion_doc)
     async def completions(request: Request) -> Response:
         return await handle(gw, request, "completion")
 
