@@ -1,6 +1,6 @@
 """Clients that go away, over real processes on loopback: one non-streaming client that
 closes its socket mid-generation, then a seeded storm of concurrent requests of which a
-fifth disconnect at random points (queued at the router, mid-prefill, mid-decode;
+fifth disconnect at random points (on arrival, mid-prefill or queued, mid-decode;
 streaming and not). Afterwards no worker holds a block or runs a request, and the
 router's queue is empty."""
 
@@ -22,7 +22,7 @@ from tests.cluster import Cluster
 from tests.conftest import write_tiny_model
 
 LONG = 2000  # max_tokens no aborted request can reach before its abort lands
-STORM_REQUESTS = 400
+STORM_REQUESTS = 1000
 STORM_ABORT_SHARE = 0.2
 STORM_CONCURRENCY = 32
 STORM_ABORT_TOKENS = 4000  # what an aborted storm request asks for (the model has 4096)
