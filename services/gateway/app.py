@@ -21,14 +21,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from common.metrics import RequestMetrics
 from common.model.loader import resolve_model
 from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
 from common.protocol import Rejected, Tokens
-from services.gateway import responses
+from services.gateway import openapi, responses
 from services.gateway.assembler import ChoiceDelta, ResponseAssembler
+from services.gateway.disconnect import ClientGone, ClientWatch
 from services.gateway.errors import APIError
 from services.gateway.guards import install_guards
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
@@ -101,7 +103,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         ready = status is not None and status.prefill_workers > 0 and status.decode_workers > 0
         detail = {"status": "ok" if ready else "unavailable", "router": status is not None,
                   "prefill_workers": status.prefill_workers if status else 0,
-                  "decode_workers": status.decode_workers if status else 0}
+                  "decode_workers": status.decode_workers if status else 0,
+                  "tokens_at": gw.link.reply_to}  # where workers push tokens (PULL)
         return JSONResponse(detail, status_code=200 if ready else 503)
 
     @app.get("/metrics")
@@ -112,11 +115,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def models() -> JSONResponse:
         return JSONResponse(responses.models_list([gw.model_name], gw.max_model_len, gw.created))
 
-    @app.post("/v1/chat/completions")
+    vocab = gw.spec.vocab_size
+    chat_doc = openapi.operation(openapi.chat_request(gw.model_name, vocab), "chat.completion")
+    completion_doc = openapi.operation(openapi.completion_request(gw.model_name, vocab),
+                                       "text_completion")
+
+    @app.post("/v1/chat/completions", openapi_extra=chat_doc)
     async def chat(request: Request) -> Response:
         return await handle(gw, request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=completion_doc)
     async def completions(request: Request) -> Response:
         return await handle(gw, request, "completion")
 
@@ -130,10 +138,25 @@ def error_response(gw: Gateway, e: APIError) -> JSONResponse:
 
 
 async def handle(gw: Gateway, request: Request, kind: str) -> Response:
-    parsed = gw.parse(kind, parse_json(await request.body()))
-    channel = await admit(gw, parsed)
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body arrived: nothing to abort upstream
+        gw.metrics.success.labels("abort").inc()
+        return Response(status_code=204)  # nobody reads it
+    parsed = gw.parse(kind, parse_json(raw))
+    watch = ClientWatch(request.receive)  # from here on a client that leaves is seen at once
+    try:
+        channel = await watch.race(admit(gw, parsed))
+    except ClientGone:  # left while queued: the router must forget the request
+        watch.close()
+        gw.metrics.success.labels("abort").inc()
+        await asyncio.shield(gw.link.abort(parsed.request_id))
+        return Response(status_code=204)  # nobody reads it
+    except BaseException:
+        watch.close()
+        raise
     assembler = ResponseAssembler(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
-    run = RequestRun(gw, parsed, assembler, channel)
+    run = RequestRun(gw, parsed, assembler, channel, watch)
     if parsed.stream:
         gw.http_requests.labels("200").inc()
         return StreamingResponse(run.sse(request), media_type="text/event-stream",
@@ -158,12 +181,17 @@ async def admit(gw: Gateway, parsed: ParsedRequest) -> asyncio.Queue[Tokens]:
 
 
 class RequestRun:
-    """One admitted request until its last token, its failure, or its abort."""
+    """One admitted request until its last token, its failure, or its abort. The watch
+    aborts it the moment its client leaves; ``collect`` / ``sse`` close the watch when
+    they end."""
 
     def __init__(self, gw: Gateway, parsed: ParsedRequest, assembler: ResponseAssembler,
-                 channel: asyncio.Queue[Tokens]) -> None:
+                 channel: asyncio.Queue[Tokens], watch: ClientWatch) -> None:
         self.gw, self.parsed, self.assembler, self.channel = gw, parsed, assembler, channel
-        self.attempt = Attempt(parsed.request_id)
+        self.attempt = Attempt(parsed.request_id)  # the current try; a move starts another
+        self.watch = watch
+        watch.on_gone = self._abort
+        self.ended = False  # finished or aborted: the abort is sent at most once
         self.start = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -202,18 +230,21 @@ class RequestRun:
         self.gw.migrations.inc()
         self.assembler.forget_held()
         self.attempt, self.channel = nxt.attempt, admission.channel
+        if self.ended:  # the client left while the move was being placed: abort the new try
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.gw.link.abort(self.attempt.request_id))
         return None
 
     async def _next(self, request: Request, timeout: float) -> Tokens:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return await asyncio.wait_for(self.channel.get(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    raise ClientGone() from None
-                if time.monotonic() > deadline:
-                    raise APIError.unavailable(f"no output for {timeout:g} s") from None
+        """The next message, raced against the client leaving (``ClientGone``)."""
+        if self.watch.gone:
+            raise ClientGone()
+        if not self.channel.empty():  # the common case while generating: no task to race
+            return self.channel.get_nowait()
+        try:
+            return await self.watch.race(self.channel.get(), timeout)
+        except TimeoutError:
+            raise APIError.unavailable(f"no output for {timeout:g} s") from None
 
     def _observe(self, delta: ChoiceDelta, msg: Tokens) -> None:
         now = time.monotonic()
@@ -243,6 +274,8 @@ class RequestRun:
         except BaseException:
             await self._abort()
             raise
+        finally:
+            self.watch.close()
         await self._finish()
         choices = [responses.ChoiceResult(i, "".join(texts[i]), reasons.get(i),
                                     logprobs[i] if self.parsed.logprobs_mode else None)
@@ -266,18 +299,22 @@ class RequestRun:
             await self._abort()
             yield responses.sse(e.body())
             yield responses.SSE_DONE
-        except (ClientGone, asyncio.CancelledError, GeneratorExit):
+        except ClientGone:  # nobody to tell: end the stream quietly
+            await self._abort()
+        except BaseException:  # cancelled by the server, or a bug: abort and let it rise
             await self._abort()
             raise
-        except BaseException:
-            await self._abort()
-            raise
+        finally:
+            self.watch.close()
 
     def _usage(self) -> dict:
         a = self.assembler
         return responses.usage(a.num_prompt_tokens, a.num_completion_tokens, a.num_cached_tokens)
 
     async def _finish(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
         m = self.gw.metrics
         m.e2e.observe(time.monotonic() - self.start)
         m.prompt_tokens.inc(self.assembler.num_prompt_tokens)
@@ -289,10 +326,10 @@ class RequestRun:
             self.gw.link.release(self.attempt.request_id)
 
     async def _abort(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
         self.gw.metrics.success.labels("abort").inc()
         with contextlib.suppress(Exception):
             await asyncio.shield(self.gw.link.abort(self.attempt.request_id))
 
-
-class ClientGone(Exception):
-    pass

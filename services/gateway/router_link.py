@@ -140,6 +140,8 @@ class RouterLink:
         await self._router.send(encode(msg))
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        """One frame at a time, for good: whatever a frame holds, the loop goes on (if it
+        ended, no request would ever receive a token again)."""
         while True:
             data = await sock.recv()
             try:
@@ -147,7 +149,13 @@ class RouterLink:
             except ProtocolError as e:
                 log.warning("dropping a bad message: %s", e)
                 continue
-            self._route(msg)
+            except Exception:  # a decoder bug: still one bad frame, not a dead gateway
+                log.exception("dropping a message that failed to decode")
+                continue
+            try:
+                self._route(msg)
+            except Exception:
+                log.exception("dropping a %s that could not be routed", msg.TAG)
 
     def _route(self, msg: Message) -> None:
         if isinstance(msg, Tokens):

@@ -1,0 +1,140 @@
+"""The OpenAPI description of the two generation routes: what ``parsing`` accepts.
+
+The routes read their bodies themselves (so that every bad body becomes an OpenAI error,
+see ``parsing``), which leaves FastAPI nothing to describe; these JSON schemas say what
+``parse_chat`` / ``parse_completion`` and ``SamplingParams`` accept, field by field, and
+which answers may come back. What a schema cannot say — rules across fields, such as a
+prompt plus ``max_tokens`` within the context, ``min_tokens`` at most ``max_tokens``,
+``top_logprobs`` only with ``logprobs``, ``stream_options`` only with ``stream`` — is a
+400 with an OpenAI error body. Keep this in step with ``parsing`` and ``prompts``: the
+schemathesis test sends what these schemas allow and checks the answers against them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.sampling_params import MAX_N
+from services.gateway.parsing import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_STOP
+from services.gateway.prompts import ROLES
+
+Schema = dict[str, Any]
+_INT64 = 2**63
+
+
+def _nullable(schema: Schema) -> Schema:
+    """Every optional field may also be sent as null (parsing treats null as absent)."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _number(lo: float, hi: float, *, exclusive_lo: bool = False) -> Schema:
+    bound = {"exclusiveMinimum": lo} if exclusive_lo else {"minimum": lo}
+    return _nullable({"type": "number", **bound, "maximum": hi})
+
+
+def _integer(lo: int, hi: int | None = None) -> Schema:
+    return _nullable({"type": "integer", "minimum": lo, **({"maximum": hi} if hi is not None else {})})
+
+
+def _boolean() -> Schema:
+    return _nullable({"type": "boolean"})
+
+
+def _token_ids(vocab_size: int, min_items: int) -> Schema:
+    return {"type": "array", "minItems": min_items,
+            "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+
+
+def _common_fields(model: str, vocab_size: int) -> dict[str, Schema]:
+    """Fields both routes read: the model, streaming, and the sampling parameters."""
+    stop_string = {"type": "string", "minLength": 1}
+    return {
+        "model": _nullable({"type": "string", "enum": [model]}),
+        "stream": _boolean(),
+        "stream_options": _nullable({"type": "object", "properties": {
+            "include_usage": _boolean()}}),
+        "user": _nullable({"type": "string"}),
+        "max_tokens": _integer(1),
+        "temperature": _number(0, 100),
+        "top_p": _number(0, 1, exclusive_lo=True),
+        "top_k": _integer(-1, _INT64 - 1),
+        "min_p": _number(0, 1),
+        "seed": _integer(-_INT64, 2 * _INT64 - 1),
+        "n": _integer(1, MAX_N),
+        "presence_penalty": _number(-2, 2),
+        "frequency_penalty": _number(-2, 2),
+        "repetition_penalty": _number(0, 2, exclusive_lo=True),
+        "min_tokens": _integer(0),
+        "stop": _nullable({"anyOf": [stop_string, {"type": "array", "maxItems": MAX_STOP,
+                                                   "items": stop_string}]}),
+        "stop_token_ids": _nullable(_token_ids(vocab_size, 0)),
+        "ignore_eos": _boolean(),
+        "skip_special_tokens": _boolean(),
+    }
+
+
+def chat_request(model: str, vocab_size: int) -> Schema:
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "enum": list(ROLES)},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+    return {"type": "object", "required": ["messages"], "properties": {
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        **_common_fields(model, vocab_size),
+        "max_completion_tokens": _integer(1),  # wins over max_tokens when both are given
+        "logprobs": _boolean(),
+        "top_logprobs": _integer(0, MAX_CHAT_TOP_LOGPROBS),
+    }}
+
+
+def completion_request(model: str, vocab_size: int) -> Schema:
+    text = {"type": "string", "minLength": 1}
+    ids = _token_ids(vocab_size, 1)
+    prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1, "items": text},
+                        {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]}
+    return {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": prompt,
+        **_common_fields(model, vocab_size),
+        "echo": _boolean(),  # not together with logprobs
+        "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS),
+        "best_of": _integer(1, MAX_N),  # only equal to n
+    }}
+
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again",
+                                "schema": {"type": "string"}}}
+_ERRORS = {
+    "400": "the body is not a valid request (named in error.param)",
+    "401": "a wrong or missing API key (with --api-key)",
+    "404": "the model named is not served here",
+    "429": "the router's queue is full",
+    "500": "a bug in the gateway",
+    "503": "no worker can serve it now, or it failed",
+}
+
+
+def _responses(kind: str) -> Schema:
+    required = ["id", "object", "created", "model", "choices", "usage"]
+    body = {"type": "object", "required": required,
+            "properties": {"object": {"type": "string", "enum": [kind]},
+                           "choices": {"type": "array", "minItems": 1}}}
+    out: Schema = {"200": {"description": "the completion, or with stream: server-sent events",
+                           "content": {"application/json": {"schema": body},
+                                       "text/event-stream": {"schema": {"type": "string"}}}}}
+    for status, why in _ERRORS.items():
+        out[status] = {"description": why, "content": {"application/json": {"schema": _ERROR}}}
+        if status in ("429", "503"):
+            out[status]["headers"] = _RETRY_AFTER
+    return out
+
+
+def operation(request: Schema, kind: str) -> Schema:
+    """``openapi_extra`` for a route: its request body and its answers."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": request}}},
+            "responses": _responses(kind)}
