@@ -123,3 +123,30 @@ def test_with_no_worker_left_the_stream_ends_in_a_clear_error(model_dir):
         wait_for(lambda: router_count(cluster, "decode") == 0, "the router to drop the worker")
         [prefill] = cluster.workers("prefill")
         assert cluster.metric(prefill, "tandem:kv_cache_usage_perc") == 0.0
+
+
+def test_a_prefill_worker_killed_mid_prefill_is_replaced_by_the_other(model_dir):
+    prompt = [(7 * i) % 40000 + 100 for i in range(1900)]  # ~120 chunks of 16 tokens
+    extra = ("--num-kv-blocks", "512", "--max-num-batched-tokens", "16")
+    with Cluster(str(model_dir), prefill=2, decode=1, extra=extra) as cluster:
+        result: dict = {}
+        sender = threading.Thread(target=lambda: result.update(httpx.post(
+            f"{cluster.url}/v1/completions", timeout=120,
+            json=body(prompt, max_tokens=8)).json()))
+        sender.start()
+        victim = None
+        deadline = time.monotonic() + 60
+        while victim is None and sender.is_alive():
+            victim = serving(cluster, "prefill")
+            assert time.monotonic() < deadline
+        assert victim is not None, "the prefill finished before it could be caught"
+        victim.proc.send_signal(signal.SIGKILL)
+        sender.join(120)
+        [gateway] = [c for c in cluster.children if c.name == "gateway"]
+        assert cluster.metric(gateway, "tandem:request_migrations_total") == 1
+        got = result["choices"][0]
+        assert got["finish_reason"] == "length" and result["usage"]["prompt_tokens"] == len(prompt)
+        again = httpx.post(f"{cluster.url}/v1/completions", timeout=120,
+                           json=body(prompt, max_tokens=8)).json()["choices"][0]
+        assert got["logprobs"]["tokens"] == again["logprobs"]["tokens"]  # the same greedy tokens
+        assert len(got["logprobs"]["tokens"]) == 8

@@ -1,0 +1,96 @@
+"""The router killed and restarted under load, over real processes.
+
+While it is gone, new requests get 503 with Retry-After at once (never a 500, never a
+hang) and a stream already running goes on to its end: tokens flow from the workers to
+the gateway without the router. The restarted router learns every worker again, and
+with them their caches, so a prompt cached before the restart is placed on its cache.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.cluster import Cluster
+from tests.conftest import write_tiny_model
+
+PREFIX = list(range(2000, 2256))  # 16 full blocks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_dir):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-restart"), smollm2_dir,
+                            max_position_embeddings=2048)
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)  # polling an observable condition
+
+
+def complete(cluster: Cluster, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(f"{cluster.url}/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+
+
+def hits(cluster: Cluster) -> dict[str, float]:
+    return {w.name: cluster.metric(w, "tandem:prefix_cache_hits_total")
+            for w in cluster.workers("prefill")}
+
+
+def router_up(cluster: Cluster) -> bool:
+    try:
+        return (cluster.metric(cluster.router, "tandem:router_workers", role="prefill") == 2
+                and cluster.metric(cluster.router, "tandem:router_workers", role="decode") == 1)
+    except OSError:
+        return False
+
+
+def test_a_router_restart_loses_no_stream_and_no_cache(model_dir):
+    with Cluster(str(model_dir), prefill=2, decode=1) as cluster:
+        assert complete(cluster, PREFIX + [1, 2]).status_code == 200  # warms one worker
+        [warm] = [name for name, n in hits(cluster).items() if n == 0 and
+                  cluster.metric(cluster.child(name), "tandem:prefix_cache_queries_total") > 0]
+        before = hits(cluster)
+
+        events: list[str] = []
+        streaming = threading.Event()
+
+        def long_stream() -> None:
+            with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=120, json={
+                    "prompt": list(range(600, 640)), "max_tokens": 300, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        streaming.set()
+
+        reader = threading.Thread(target=long_stream)
+        reader.start()
+        assert streaming.wait(60)
+        cluster.router.proc.send_signal(signal.SIGKILL)
+        cluster.router.proc.wait(10)
+
+        refused = complete(cluster, [5, 6, 7])  # the router is gone
+        assert refused.status_code == 503, refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "service_unavailable_error"
+
+        assert cluster.local.respawn(cluster.router)
+        wait_for(lambda: router_up(cluster), "the new router to learn every worker")
+        reader.join(120)
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        tokens = sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-1])
+        assert tokens > 0
+
+        assert complete(cluster, PREFIX + [3, 4]).status_code == 200
+        after = hits(cluster)
+        assert after[warm] - before[warm] == len(PREFIX)  # placed on the cache it had before
+        assert sum(after.values()) - sum(before.values()) == len(PREFIX)
