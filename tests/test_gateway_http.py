@@ -226,3 +226,20 @@ def test_a_full_queue_is_a_429_with_retry_after_over_http(tiny_model_dir):
         ctx.term()
         router.terminate()
         router.wait(20)
+
+
+def test_an_oversized_body_is_refused_with_413_before_it_is_held(gateway):
+    from services.gateway.guards import MAX_BODY_BYTES
+
+    big = b'{"prompt": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}'
+    declared = httpx.post(f"{gateway.url}/v1/completions", content=big, timeout=60)
+    assert_openai_error(declared, 413)
+
+    def chunks():  # no Content-Length: the limit must hold while the body streams in
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // 65536 + 2):
+            yield b"x" * 65536
+
+    streamed = httpx.post(f"{gateway.url}/v1/completions", content=chunks(), timeout=60)
+    assert_openai_error(streamed, 413)
+    assert httpx.get(f"{gateway.url}/health", timeout=30).status_code in (200, 503)  # alive

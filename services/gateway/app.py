@@ -32,7 +32,7 @@ from services.gateway import openapi, responses
 from services.gateway.assembler import ChoiceDelta, ResponseAssembler
 from services.gateway.disconnect import ClientGone, ClientWatch
 from services.gateway.errors import APIError
-from services.gateway.guards import install_guards
+from services.gateway.guards import install_guards, read_body
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
 from services.gateway.resume import Attempt, continuation
 from services.gateway.router_link import RouterLink, RouterUnavailable
@@ -139,7 +139,7 @@ def error_response(gw: Gateway, e: APIError) -> JSONResponse:
 
 async def handle(gw: Gateway, request: Request, kind: str) -> Response:
     try:
-        raw = await request.body()
+        raw = await read_body(request)
     except ClientDisconnect:  # gone before its body arrived: nothing to abort upstream
         gw.metrics.success.labels("abort").inc()
         return Response(status_code=204)  # nobody reads it

@@ -98,3 +98,20 @@ class AnswerUnexpectedErrors:
                 raise
             log.exception("unexpected error on %s", scope.get("path"))
             await self.respond(APIError.server_error())(scope, receive, send)
+
+
+MAX_BODY_BYTES = 16 * 1024 * 1024  # a 100k-token prompt is under 1 MB of JSON
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused with 413 before more than ``limit`` bytes are held."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body of {declared} bytes exceeds {limit}")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
