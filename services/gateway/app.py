@@ -34,7 +34,7 @@ from services.gateway.disconnect import ClientGone, ClientWatch
 from services.gateway.errors import APIError
 from services.gateway.guards import install_guards, read_body
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
-from services.gateway.resume import Attempt, continuation
+from services.gateway.resume import MOVE_ADMISSION_S, Attempt, continuation
 from services.gateway.router_link import RouterLink, RouterUnavailable
 from services.gateway.settings import GatewaySettings
 from services.timeouts import check_admission
@@ -219,8 +219,9 @@ class RequestRun:
             return nxt
         self.gw.link.release(self.attempt.request_id)
         try:
-            admission = await self.gw.link.submit(nxt.attempt.request_id, nxt.prompt_token_ids,
-                                                  nxt.params, self.gw.settings.admission_timeout)
+            admission = await self.gw.link.submit(
+                nxt.attempt.request_id, nxt.prompt_token_ids, nxt.params,
+                min(self.gw.settings.admission_timeout, MOVE_ADMISSION_S))
         except RouterUnavailable as e:
             return f"no worker could take it over: {e}"
         if isinstance(admission.verdict, Rejected):

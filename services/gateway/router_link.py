@@ -100,7 +100,7 @@ class RouterLink:
         except TimeoutError:
             self.release(request_id)
             await self.abort(request_id)
-            raise RouterUnavailable("the router did not answer in time") from None
+            raise RouterUnavailable(f"the request was not placed within {timeout:g} s") from None
         finally:
             self._admissions.pop(request_id, None)
         if isinstance(verdict, Rejected):
