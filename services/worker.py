@@ -267,10 +267,15 @@ class WorkerService:
         header = to_wire(h, transfer_id, reply_to, self.engine.kv_layout, self.engine.block_nbytes)
         self.sender.send(addr, header, blocks)
         self.outgoing.open(transfer_id, h.request_id, sum(b.nbytes for b in blocks),
-                           attempt=attempt, resend=h)
+                           attempt=attempt, resend=h, addr=addr)
 
     def _settle_transfers(self) -> None:
-        for outcome in self.outgoing.settle(self.sender.poll_acks()) + self.outgoing.expire():
+        for outcome in self.outgoing.settle(self.sender.poll_acks()):
+            self._end_transfer(outcome)
+        for outcome in self.outgoing.expire():
+            # It may still sit in the transport's queue: drop it there before the blocks
+            # are freed or resent, so no stale copy of reused blocks is ever delivered.
+            self.sender.abandon(outcome.addr)
             self._end_transfer(outcome)
 
     def _end_transfer(self, t: TransferOutcome) -> None:

@@ -712,3 +712,28 @@ def test_lease_expired_hands_back_each_lease_once() -> None:
     clock.now = 1000.0
     assert [lease.transfer_id for lease in table.expired()] == ["t2"]
     assert len(table) == 0
+
+
+def test_an_abandoned_zmq_transfer_is_never_delivered_later() -> None:
+    """A transfer queued for a receiver that is not there yet, abandoned when its lease ran
+    out: a receiver that appears at that address afterwards must never get it (its blocks
+    are being reused), while a transfer sent after the abandon arrives."""
+    from common.addresses import free_port
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    sender = ZmqSender()
+    stale = handoff("stale", 1, BLOCK)
+    sender.send(addr, stale, [memoryview(bytes(BLOCK))])
+    sender.abandon(addr)
+    receiver = ZmqReceiver(addr)
+    try:
+        sender.send(addr, handoff("fresh", 1, BLOCK), [memoryview(bytes(BLOCK))])
+        got: list[str] = []
+        deadline = time.monotonic() + DEADLINE_S
+        while "fresh" not in got:
+            assert time.monotonic() < deadline
+            got += [t.header.transfer_id for t in receiver.poll(100)]
+        assert got == ["fresh"]
+    finally:
+        receiver.close()
+        sender.close()

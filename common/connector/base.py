@@ -71,6 +71,12 @@ class KVSender(Protocol):
         test-only fault hook (``common.connector.faults``) uses to send a bad one."""
         ...
 
+    def abandon(self, addr: str) -> None:
+        """Drop whatever is still queued for ``addr`` (a transfer to it ran out of lease): the
+        caller is about to reuse those blocks, so nothing may read them any more. Transfers
+        to ``addr`` that were in flight end by their leases or a nack."""
+        ...
+
     def poll_acks(self) -> list[KVAck]:
         """Acks (and nacks) that arrived since the last call; runs the on_error hook."""
         ...

@@ -173,6 +173,10 @@ class FaultySender:
         self._send_due()
         return self._inner.poll_acks()
 
+    def abandon(self, addr: str) -> None:
+        self._late = [late for late in self._late if late.addr != addr]
+        self._inner.abandon(addr)
+
     def close(self) -> None:
         self._late.clear()
         self._inner.close()

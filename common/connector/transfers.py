@@ -41,6 +41,7 @@ class TransferOutcome:
     retry: bool = False  # failed with attempts left: send it again (the blocks are still lent)
     resend: Any = None  # as given to ``open``, untouched (the worker's Handoff)
     cancelled: bool = False  # its request was aborted meanwhile: just free the blocks now
+    addr: str | None = None  # where it was sent
 
     @property
     def ok(self) -> bool:
@@ -53,6 +54,7 @@ class _Sent:
     started: float
     attempt: int
     resend: Any
+    addr: str | None
 
 
 class OutgoingTransfers:
@@ -70,10 +72,10 @@ class OutgoingTransfers:
         return len(self._leases)
 
     def open(self, transfer_id: str, request_id: str, nbytes: int, *, attempt: int = 1,
-             resend: Any = None) -> None:
+             resend: Any = None, addr: str | None = None) -> None:
         """A transfer was handed to the sender: its blocks are lent until it ends."""
         self._leases.open(transfer_id, request_id)
-        self._sent[transfer_id] = _Sent(nbytes, self._clock(), attempt, resend)
+        self._sent[transfer_id] = _Sent(nbytes, self._clock(), attempt, resend, addr)
 
     def settle(self, acks: Iterable[KVAck]) -> list[TransferOutcome]:
         """Outcomes of acks (ok) and nacks (error); acks of unknown transfers are ignored."""
@@ -106,7 +108,7 @@ class OutgoingTransfers:
         retry = not cancelled and error is not None and sent.attempt < self.max_attempts
         return TransferOutcome(lease.transfer_id, lease.request_id, sent.nbytes,
                                self._clock() - sent.started, error, sent.attempt, retry,
-                               sent.resend, cancelled)
+                               sent.resend, cancelled, sent.addr)
 
 
 class IncomingTransfers:

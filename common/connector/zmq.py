@@ -45,6 +45,11 @@ class ZmqSender:
         self._failures.flush()
         return acks
 
+    def abandon(self, addr: str) -> None:
+        sock = self._sockets.pop(addr, None)
+        if sock is not None:
+            sock.close(linger=0)  # discards the queued messages; the next send reconnects
+
     def close(self) -> None:
         for sock in self._sockets.values():
             sock.close(linger=0)

@@ -95,6 +95,10 @@ class UcxSender:
         self._closed = True
         self._loop.shut_down(type(self).__name__, self._shutdown())
 
+    def abandon(self, addr: str) -> None:
+        if not self._closed:
+            self._loop.call(self._abandon, addr)
+
     def _send_raw(self, addr: str, transfer_id: str, messages: Sequence[Any]) -> None:
         """Queue raw messages as one transfer (``send`` builds them; tests craft bad ones)."""
         if self._closed:
@@ -104,6 +108,12 @@ class UcxSender:
         self._loop.call(self._enqueue, addr, item)
 
     # -- loop thread --
+
+    def _abandon(self, addr: str) -> None:
+        link = self._links.get(addr)
+        if link is not None:  # closing the endpoint stops UCX reading the blocks
+            link.tasks.spawn(self._fail(link, TransferFailure.PEER_LOST,
+                                        f"ucx: transfers to {addr} abandoned (lease expired)"))
 
     def _enqueue(self, addr: str, item: _Outgoing) -> None:
         if self._closed:
