@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,13 +27,13 @@ from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
 from common.protocol import Rejected, Tokens
 from services.gateway import openapi, responses
-from services.gateway.assembler import ChoiceDelta, ResponseAssembler
+from services.gateway.assembler import ResponseAssembler
 from services.gateway.disconnect import ClientGone, ClientWatch
 from services.gateway.errors import APIError
 from services.gateway.guards import install_guards, read_body
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
-from services.gateway.resume import MOVE_ADMISSION_S, Attempt, continuation
 from services.gateway.router_link import RouterLink, RouterUnavailable
+from services.gateway.run import RequestRun
 from services.gateway.settings import GatewaySettings
 from services.timeouts import check_admission
 
@@ -178,159 +176,3 @@ async def admit(gw: Gateway, parsed: ParsedRequest) -> asyncio.Queue[Tokens]:
         raise APIError(refused.status, refused.reason, retry_after=refused.retry_after,
                        code="rate_limit_exceeded" if refused.status == 429 else None)
     return admission.channel
-
-
-class RequestRun:
-    """One admitted request until its last token, its failure, or its abort. The watch
-    aborts it the moment its client leaves; ``collect`` / ``sse`` close the watch when
-    they end."""
-
-    def __init__(self, gw: Gateway, parsed: ParsedRequest, assembler: ResponseAssembler,
-                 channel: asyncio.Queue[Tokens], watch: ClientWatch) -> None:
-        self.gw, self.parsed, self.assembler, self.channel = gw, parsed, assembler, channel
-        self.attempt = Attempt(parsed.request_id)  # the current try; a move starts another
-        self.watch = watch
-        watch.on_gone = self._abort
-        self.ended = False  # finished or aborted: the abort is sent at most once
-        self.start = time.monotonic()
-        self.first_token: float | None = None
-        self.last_token: float | None = None
-        self.ended_here = False  # a choice was cut by a stop string: workers must be told
-
-    async def deltas(self, request: Request) -> AsyncIterator[ChoiceDelta]:
-        timeout = self.gw.settings.request_timeout
-        while not self.assembler.finished:
-            msg = await self._next(request, timeout)
-            if msg.error:
-                why_not = await self._move() if msg.retryable else "it cannot be retried"
-                if why_not is None:
-                    continue  # the rest comes from another worker, on a new channel
-                raise APIError.unavailable(f"{msg.error} ({why_not})")
-            if self.attempt.offset:
-                msg = dataclasses.replace(msg, index=msg.index + self.attempt.offset)
-            for delta in self.assembler.feed(msg):
-                self._observe(delta, msg)
-                yield delta
-
-    async def _move(self) -> str | None:
-        """Continue the request on another worker; None when it was placed, else why not."""
-        nxt = continuation(self.parsed, self.attempt, self.assembler.delivered(0))
-        if isinstance(nxt, str):
-            return nxt
-        self.gw.link.release(self.attempt.request_id)
-        try:
-            admission = await self.gw.link.submit(
-                nxt.attempt.request_id, nxt.prompt_token_ids, nxt.params,
-                min(self.gw.settings.admission_timeout, MOVE_ADMISSION_S))
-        except RouterUnavailable as e:
-            return f"no worker could take it over: {e}"
-        if isinstance(admission.verdict, Rejected):
-            return f"no worker could take it over: {admission.verdict.reason}"
-        log.info("%s moved to another worker after %d tokens", self.parsed.request_id,
-                 nxt.attempt.offset)
-        self.gw.migrations.inc()
-        self.assembler.forget_held()
-        self.attempt, self.channel = nxt.attempt, admission.channel
-        if self.ended:  # the client left while the move was being placed: abort the new try
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.gw.link.abort(self.attempt.request_id))
-        return None
-
-    async def _next(self, request: Request, timeout: float) -> Tokens:
-        """The next message, raced against the client leaving (``ClientGone``)."""
-        if self.watch.gone:
-            raise ClientGone()
-        if not self.channel.empty():  # the common case while generating: no task to race
-            return self.channel.get_nowait()
-        try:
-            return await self.watch.race(self.channel.get(), timeout)
-        except TimeoutError:
-            raise APIError.unavailable(f"no output for {timeout:g} s") from None
-
-    def _observe(self, delta: ChoiceDelta, msg: Tokens) -> None:
-        now = time.monotonic()
-        m = self.gw.metrics
-        if delta.tokens and self.first_token is None:
-            self.first_token = now
-            m.ttft.observe(now - self.start)
-        elif delta.tokens and delta.index == 0 and self.last_token is not None:
-            m.itl.observe(now - self.last_token)
-        if delta.tokens and delta.index == 0:
-            self.last_token = now
-        if delta.finish_reason is not None and msg.finish_reason is None:
-            self.ended_here = True
-
-    async def collect(self, request: Request) -> dict:
-        texts = {i: [] for i in range(self.parsed.params.n)}
-        logprobs = {i: [] for i in range(self.parsed.params.n)}
-        reasons: dict[int, str | None] = {}
-        try:
-            async for d in self.deltas(request):
-                texts[d.index].append(d.text)
-                logprobs[d.index].extend(d.tokens)
-                reasons[d.index] = d.finish_reason
-        except ClientGone:
-            await self._abort()
-            return {}
-        except BaseException:
-            await self._abort()
-            raise
-        finally:
-            self.watch.close()
-        await self._finish()
-        choices = [responses.ChoiceResult(i, "".join(texts[i]), reasons.get(i),
-                                    logprobs[i] if self.parsed.logprobs_mode else None)
-                   for i in range(self.parsed.params.n)]
-        chat = self.parsed.kind == "chat"
-        build = responses.chat_completion if chat else responses.text_completion
-        return build(self.parsed, choices, self._usage())
-
-    async def sse(self, request: Request) -> AsyncIterator[bytes]:
-        fmt = responses.ChunkFormatter(self.parsed)
-        try:
-            async for d in self.deltas(request):
-                lps = d.tokens if self.parsed.logprobs_mode else None
-                yield responses.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason))
-            usage = fmt.usage_chunk(self._usage())
-            if usage is not None:
-                yield responses.sse(usage)
-            yield responses.SSE_DONE
-            await self._finish()
-        except APIError as e:
-            await self._abort()
-            yield responses.sse(e.body())
-            yield responses.SSE_DONE
-        except ClientGone:  # nobody to tell: end the stream quietly
-            await self._abort()
-        except BaseException:  # cancelled by the server, or a bug: abort and let it rise
-            await self._abort()
-            raise
-        finally:
-            self.watch.close()
-
-    def _usage(self) -> dict:
-        a = self.assembler
-        return responses.usage(a.num_prompt_tokens, a.num_completion_tokens, a.num_cached_tokens)
-
-    async def _finish(self) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        m = self.gw.metrics
-        m.e2e.observe(time.monotonic() - self.start)
-        m.prompt_tokens.inc(self.assembler.num_prompt_tokens)
-        m.generation_tokens.inc(self.assembler.num_completion_tokens)
-        m.success.labels("stop" if self.ended_here else "finished").inc()
-        if self.ended_here:
-            await self.gw.link.abort(self.attempt.request_id, "stop string")
-        else:
-            self.gw.link.release(self.attempt.request_id)
-
-    async def _abort(self) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        self.gw.metrics.success.labels("abort").inc()
-        with contextlib.suppress(Exception):
-            await asyncio.shield(self.gw.link.abort(self.attempt.request_id))
-
