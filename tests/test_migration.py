@@ -150,3 +150,39 @@ def test_a_prefill_worker_killed_mid_prefill_is_replaced_by_the_other(model_dir)
                            json=body(prompt, max_tokens=8)).json()["choices"][0]
         assert got["logprobs"]["tokens"] == again["logprobs"]["tokens"]  # the same greedy tokens
         assert len(got["logprobs"]["tokens"]) == 8
+
+
+def per_choice_stream(cluster: Cluster, payload: dict, on_event=None) -> tuple[dict, list[dict]]:
+    tokens: dict[int, list[str]] = {}
+    events = []
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=payload, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            events.append(event)
+            for c in event.get("choices", []):
+                tokens.setdefault(c["index"], []).extend((c.get("logprobs") or {}).get("tokens", []))
+            if on_event is not None:
+                on_event(sum(len(t) for t in tokens.values()))
+    return tokens, events
+
+
+def test_every_choice_of_an_n2_request_moves_on_its_own(model_dir):
+    payload = body(list(range(1200, 1240)), n=2, stream=True, max_tokens=200)
+    with Cluster(str(model_dir), decode=2) as cluster:
+        expected, _ = per_choice_stream(cluster, payload)
+        killed: list[str] = []
+
+        def kill_once(n: int) -> None:
+            victim = serving(cluster, "decode") if n >= 20 and not killed else None
+            if victim is not None:
+                killed.append(victim.name)
+                victim.proc.send_signal(signal.SIGKILL)
+
+        got, events = per_choice_stream(cluster, payload, on_event=kill_once)
+        assert killed and not any("error" in e for e in events)
+        assert got == expected and [len(got[0]), len(got[1])] == [200, 200]
+        [gateway] = [c for c in cluster.children if c.name == "gateway"]
+        assert cluster.metric(gateway, "tandem:request_migrations_total") == 1

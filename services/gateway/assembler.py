@@ -62,10 +62,13 @@ class ResponseAssembler:
         """The choice's output tokens put out so far, in order (what a new worker continues)."""
         return list(self._choices[choice].token_ids)
 
-    def forget_held(self) -> None:
+    def unfinished(self) -> list[int]:
+        return [i for i, c in enumerate(self._choices) if c.finish_reason is None]
+
+    def forget_held(self, choices: list[int]) -> None:
         """Drop tokens waiting for a gap to fill: their worker is gone and the gap never will."""
-        for c in self._choices:
-            c.held.clear()
+        for i in choices:
+            self._choices[i].held.clear()
 
     def feed(self, msg: Tokens) -> list[ChoiceDelta]:
         """Accept one message; returns the deltas it completes (possibly none)."""

@@ -1,17 +1,18 @@
 """Moving a request to another worker when the one serving it dies.
 
 The gateway is the one process that has seen every token a client was sent, so it is the
-one that can continue a request: the continuation's prompt is the original prompt plus
-the tokens already delivered, its budget what is left of ``max_tokens``, and its token
-indices are shifted by what was delivered, so the client sees one uninterrupted stream.
-With greedy sampling the continuation produces exactly the tokens an undisturbed run
-would have (the same model over the same tokens); seeded sampling continues with a fresh
-random stream, and requests with ``n > 1`` are not moved (each choice would need its own
-continuation) — they fail with a clear error instead.
+one that can continue a request. Each unfinished choice is continued by a request of its
+own (``n = 1``): its prompt is the original prompt plus the tokens that choice already
+delivered, its budget what is left of ``max_tokens``, and its tokens are put back in place
+(choice index restored, token indices shifted by what was delivered), so the client sees
+one uninterrupted stream. With greedy sampling a continuation produces exactly the tokens
+an undisturbed run would have (the same model over the same tokens); seeded sampling goes
+on with a fresh random stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from common.sampling_params import SamplingParams
@@ -28,8 +29,9 @@ class Attempt:
     """One try at serving a request: the id the router and workers know it by."""
 
     request_id: str
-    offset: int = 0  # output tokens delivered before this attempt began
-    number: int = 0  # 0 for the original submission
+    choice: int | None = None  # None: the original, all choices; else the one it continues
+    offset: int = 0  # that choice's output tokens delivered before this attempt began
+    number: int = 0  # moves before this one
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,16 +41,21 @@ class Continuation:
     params: SamplingParams
 
 
-def continuation(parsed: ParsedRequest, current: Attempt, delivered: list[int]) -> Continuation | str:
-    """The request that picks up where ``current`` stopped, or why there is none."""
-    params = parsed.params
-    if params.n != 1:
-        return "requests with n > 1 are not moved to another worker"
-    if current.number >= MAX_MOVES:
+def continuations(parsed: ParsedRequest, failed: Attempt, delivered: Callable[[int], list[int]],
+                  unfinished: Sequence[int]) -> list[Continuation] | str:
+    """The requests that pick up where ``failed`` stopped, or why there are none."""
+    if failed.number >= MAX_MOVES:
         return f"moved {MAX_MOVES} times already"
-    left = params.max_tokens - len(delivered)
-    if left < 1:
-        return "nothing left to generate"
-    moved = replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(delivered)))
-    attempt = Attempt(f"{parsed.request_id}~{current.number + 1}", len(delivered), current.number + 1)
-    return Continuation(attempt, parsed.prompt_token_ids + delivered, moved)
+    choices = list(unfinished) if failed.choice is None else [failed.choice]
+    out = []
+    for choice in choices:
+        done = delivered(choice)
+        left = parsed.params.max_tokens - len(done)
+        if left < 1:
+            return f"choice {choice} has nothing left to generate"
+        params = replace(parsed.params, n=1, max_tokens=left,
+                         min_tokens=max(0, parsed.params.min_tokens - len(done)))
+        attempt = Attempt(f"{parsed.request_id}~{failed.number + 1}.{choice}", choice, len(done),
+                          failed.number + 1)
+        out.append(Continuation(attempt, parsed.prompt_token_ids + done, params))
+    return out

@@ -85,9 +85,10 @@ class RouterLink:
         self._ctx.term()
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     timeout: float) -> Admission:
-        """Admitted (with the request's channel) or Rejected (channel None)."""
-        channel: asyncio.Queue[Tokens] = asyncio.Queue()
+                     timeout: float, channel: asyncio.Queue[Tokens] | None = None) -> Admission:
+        """Admitted (with the request's channel) or Rejected (channel None). ``channel``: an
+        existing one to deliver to (a continuation shares its request's)."""
+        channel = channel if channel is not None else asyncio.Queue()
         self._channels[request_id] = channel
         decided = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = decided

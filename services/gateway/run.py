@@ -22,7 +22,7 @@ from services.gateway.assembler import ChoiceDelta, ResponseAssembler
 from services.gateway.disconnect import ClientGone, ClientWatch
 from services.gateway.errors import APIError
 from services.gateway.parsing import ParsedRequest
-from services.gateway.resume import MOVE_ADMISSION_S, Attempt, continuation
+from services.gateway.resume import MOVE_ADMISSION_S, Attempt, continuations
 from services.gateway.router_link import RouterUnavailable
 
 if TYPE_CHECKING:
@@ -41,7 +41,8 @@ class RequestRun:
     def __init__(self, gw: Gateway, parsed: ParsedRequest, assembler: ResponseAssembler,
                  channel: asyncio.Queue[Tokens], watch: ClientWatch) -> None:
         self.gw, self.parsed, self.assembler, self.channel = gw, parsed, assembler, channel
-        self.attempt = Attempt(parsed.request_id)  # the current try; a move starts another
+        # The live tries by request id: the original, or the continuations of its choices.
+        self.attempts: dict[str, Attempt] = {parsed.request_id: Attempt(parsed.request_id)}
         self.watch = watch
         watch.on_gone = self._abort
         self.ended = False  # finished or aborted: the abort is sent at most once
@@ -54,39 +55,46 @@ class RequestRun:
         timeout = self.gw.settings.request_timeout
         while not self.assembler.finished:
             msg = await self._next(request, timeout)
+            attempt = self.attempts.get(msg.request_id)
+            if attempt is None:
+                continue  # a late message of a try that was moved on
             if msg.error:
-                why_not = await self._move() if msg.retryable else "it cannot be retried"
+                why_not = await self._move(attempt) if msg.retryable else "it cannot be retried"
                 if why_not is None:
-                    continue  # the rest comes from another worker, on a new channel
+                    continue  # the rest comes from other workers
                 raise APIError.unavailable(f"{msg.error} ({why_not})")
-            if self.attempt.offset:
-                msg = dataclasses.replace(msg, index=msg.index + self.attempt.offset)
+            if attempt.choice is not None:  # a continuation: put its tokens back in place
+                msg = dataclasses.replace(msg, choice=attempt.choice,
+                                          index=msg.index + attempt.offset)
             for delta in self.assembler.feed(msg):
                 self._observe(delta, msg)
                 yield delta
 
-    async def _move(self) -> str | None:
-        """Continue the request on another worker; None when it was placed, else why not."""
-        nxt = continuation(self.parsed, self.attempt, self.assembler.delivered(0))
+    async def _move(self, failed: Attempt) -> str | None:
+        """Continue a failed try's choices on other workers; None when every continuation
+        was placed, else why not (the caller fails the request, which aborts the rest)."""
+        nxt = continuations(self.parsed, failed, self.assembler.delivered,
+                            self.assembler.unfinished())
         if isinstance(nxt, str):
             return nxt
-        self.gw.link.release(self.attempt.request_id)
-        try:
-            admission = await self.gw.link.submit(
-                nxt.attempt.request_id, nxt.prompt_token_ids, nxt.params,
-                min(self.gw.settings.admission_timeout, MOVE_ADMISSION_S))
-        except RouterUnavailable as e:
-            return f"no worker could take it over: {e}"
-        if isinstance(admission.verdict, Rejected):
-            return f"no worker could take it over: {admission.verdict.reason}"
-        log.info("%s moved to another worker after %d tokens", self.parsed.request_id,
-                 nxt.attempt.offset)
+        del self.attempts[failed.request_id]
+        self.gw.link.release(failed.request_id)
+        self.assembler.forget_held([c.attempt.choice for c in nxt])
+        for cont in nxt:
+            try:
+                admission = await self.gw.link.submit(
+                    cont.attempt.request_id, cont.prompt_token_ids, cont.params,
+                    min(self.gw.settings.admission_timeout, MOVE_ADMISSION_S), self.channel)
+            except RouterUnavailable as e:
+                return f"no worker could take it over: {e}"
+            if isinstance(admission.verdict, Rejected):
+                return f"no worker could take it over: {admission.verdict.reason}"
+            self.attempts[cont.attempt.request_id] = cont.attempt
+            if self.ended:  # the client left while the move was being placed
+                await self._abort_tries([cont.attempt.request_id])
+        log.info("%s moved to other workers (%s)", self.parsed.request_id,
+                 ", ".join(f"choice {c.attempt.choice} after {c.attempt.offset} tokens" for c in nxt))
         self.gw.migrations.inc()
-        self.assembler.forget_held()
-        self.attempt, self.channel = nxt.attempt, admission.channel
-        if self.ended:  # the client left while the move was being placed: abort the new try
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.gw.link.abort(self.attempt.request_id))
         return None
 
     async def _next(self, request: Request, timeout: float) -> Tokens:
@@ -175,15 +183,20 @@ class RequestRun:
         m.generation_tokens.inc(self.assembler.num_completion_tokens)
         m.success.labels("stop" if self.ended_here else "finished").inc()
         if self.ended_here:
-            await self.gw.link.abort(self.attempt.request_id, "stop string")
+            await self._abort_tries(list(self.attempts), "stop string")
         else:
-            self.gw.link.release(self.attempt.request_id)
+            for request_id in self.attempts:
+                self.gw.link.release(request_id)
 
     async def _abort(self) -> None:
         if self.ended:
             return
         self.ended = True
         self.gw.metrics.success.labels("abort").inc()
-        with contextlib.suppress(Exception):
-            await asyncio.shield(self.gw.link.abort(self.attempt.request_id))
+        await self._abort_tries(list(self.attempts))
+
+    async def _abort_tries(self, request_ids: list[str], reason: str = "client") -> None:
+        for request_id in request_ids:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.gw.link.abort(request_id, reason))
 
