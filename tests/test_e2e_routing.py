@@ -84,7 +84,10 @@ def test_round_robin_spreads_a_shared_prefix_regardless_of_the_cache(tiny_model_
 
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir):
-    with Cluster(str(tiny_model_dir), extra=("--num-kv-blocks", "512", "--api-key", "sekret")) as c:
+    # A short admission wait: the killed decode worker's request, moved, waits that long.
+    extra = ("--num-kv-blocks", "512", "--api-key", "sekret", "--queue-timeout", "3",
+             "--admission-timeout", "4")
+    with Cluster(str(tiny_model_dir), extra=extra) as c:
         yield c
 
 

@@ -105,7 +105,9 @@ def test_a_killed_decode_worker_s_stream_continues_on_the_other_with_the_same_to
 
 def test_with_no_worker_left_the_stream_ends_in_a_clear_error(model_dir):
     prompt = list(range(800, 830))
-    with Cluster(str(model_dir), decode=1) as cluster:
+    # A short queue and admission wait: a move waits for a worker at most that long.
+    extra = ("--num-kv-blocks", "512", "--queue-timeout", "3", "--admission-timeout", "4")
+    with Cluster(str(model_dir), decode=1, extra=extra) as cluster:
         killed: list[str] = []
 
         def kill_once(n: int) -> None:

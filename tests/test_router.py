@@ -824,3 +824,45 @@ def test_out_of_range_token_ids_do_not_kill_the_router(tokens):
         assert c.task not in done, "the router stopped"
 
     body()
+
+
+def test_while_a_dead_prefill_worker_is_expected_back_requests_queue(clock):
+    @serve(heartbeat_timeout=1.0, queue_timeout=20.0, clock=clock.monotonic)
+    async def body(c: Cluster):
+        p = await c.worker("p1", "prefill")
+        await c.worker("d1", "decode")
+        gw = await c.gateway()
+        clock.now += 1.5  # p1 falls silent (d1 too, but it heartbeats below)
+        d = c.peers[1]
+        await d.send(Heartbeat("d1", 0, 0, 100, 100))
+        wait = time.monotonic() + 10
+        while (await c.status(gw)).prefill_workers:  # the next maintenance pass drops p1
+            assert time.monotonic() < wait
+        await gw.send(submit("r1"))
+        assert (await c.status(gw)).queue_length == 1  # queued, not refused: p1 may return
+        await p.send(register("p1", "prefill"))  # restarted
+        assert (await p.expect(Task)).request_id == "r1"
+        assert await gw.expect(Admitted) == Admitted("r1")
+
+    body()
+
+
+def test_a_prefill_worker_lost_longer_ago_than_the_queue_timeout_means_503(clock):
+    @serve(heartbeat_timeout=1.0, queue_timeout=5.0, clock=clock.monotonic)
+    async def body(c: Cluster):
+        await c.worker("p1", "prefill")
+        d = await c.worker("d1", "decode")
+        gw = await c.gateway()
+        clock.now += 1.5
+        await d.send(Heartbeat("d1", 0, 0, 100, 100))
+        wait = time.monotonic() + 10
+        while (await c.status(gw)).prefill_workers:
+            assert time.monotonic() < wait
+        clock.now += 6.0  # p1 was declared dead over 5 s (the queue timeout) ago
+        fresh = await c.worker("d2", "decode")  # a live decode worker, whatever became of d1
+        await c.status(fresh)
+        await gw.send(submit("r1"))
+        refusal = await gw.expect(Rejected)
+        assert (refusal.status, refusal.reason) == (503, "no prefill worker is available")
+
+    body()

@@ -19,9 +19,10 @@ from common.sampling_params import SamplingParams
 from services.gateway.parsing import ParsedRequest
 
 MAX_MOVES = 2  # a request that kills two workers in a row is not tried on a third
-# How long a moved request may wait to be placed: long enough for a supervisor to bring a
-# lone worker back, short enough that a client with no worker left hears so soon.
-MOVE_ADMISSION_S = 10.0
+# How long a moved request may wait to be placed (never longer than --admission-timeout):
+# long enough for a supervisor to bring a lone worker back (a SmolLM2 worker restarts in
+# about 25 s on 2 cores), short enough that a client with no worker left hears so soon.
+MOVE_ADMISSION_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,7 +106,9 @@ class RouterService:
         self.queue: AdmissionQueue[Routed] = AdmissionQueue(settings.max_queue, settings.queue_timeout)
         self.requests: dict[str, Routed] = {}
         self.ledger = LoadLedger(self.registry.workers)
-        self._declared_dead: OrderedDict[str, None] = OrderedDict()  # whose work was failed
+        # Workers declared dead (their work was failed), with their role and when: while a
+        # prefill-capable one is expected back, requests wait in the queue instead of a 503.
+        self._declared_dead: OrderedDict[str, tuple[WorkerRole, float]] = OrderedDict()
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
         self._decode_steps = decode_policy()
@@ -201,7 +203,7 @@ class RouterService:
 
     def _unservable(self, msg: Submit) -> Refusal | None:
         """Why no worker could ever serve this request now (the same rules as the engine)."""
-        if not self.registry.prefill_workers():
+        if not self.registry.prefill_workers() and not self._prefill_expected_back():
             return Refusal(503, "no prefill worker is available", 2.0)
         try:
             check_token_ids(msg.prompt_token_ids, None)
@@ -211,6 +213,13 @@ class RouterService:
         except InvalidRequestError as e:
             return Refusal(400, e.message, 0.0)
         return None
+
+    def _prefill_expected_back(self) -> bool:
+        """A prefill-capable worker died within the queue timeout: a supervisor (tandem up,
+        compose, Kubernetes) is likely restarting it, so queued requests may still be served."""
+        horizon = self._clock() - self.settings.queue_timeout
+        return any(role.can_prefill and since > horizon
+                   for role, since in self._declared_dead.values())
 
     async def _on_abort(self, identity: bytes, msg: Abort) -> None:
         routed = self.requests.pop(msg.request_id, None)
@@ -314,7 +323,7 @@ class RouterService:
 
     async def _worker_gone(self, worker: WorkerInfo) -> None:
         self.index.drop_worker(worker.worker_id)
-        self._declared_dead[worker.worker_id] = None
+        self._declared_dead[worker.worker_id] = (worker.role, self._clock())
         while len(self._declared_dead) > 4096:
             self._declared_dead.popitem(last=False)
         for request_id in self.ledger.requests_on(worker.worker_id):
