@@ -35,20 +35,8 @@ def body(prompt: list[int], **extra) -> dict:
 
 def stream(cluster: Cluster, prompt: list[int], on_event=None) -> tuple[list[str], list[dict]]:
     """The streamed tokens (texts, from logprobs) and every event, in order."""
-    tokens, events = [], []
-    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body(prompt, stream=True),
-                      timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            events.append(event)
-            for choice in event.get("choices", []):
-                tokens += (choice.get("logprobs") or {}).get("tokens", [])
-            if on_event is not None:
-                on_event(len(tokens))
-    return tokens, events
+    tokens, events = per_choice_stream(cluster, body(prompt, stream=True), on_event)
+    return tokens.get(0, []), events
 
 
 def serving(cluster: Cluster, role: str):

@@ -654,14 +654,20 @@ async def test_abort_is_forwarded_to_both_prefill_and_decode_workers(c: Cluster)
     assert c.service.registry.workers["d1"].reserved_blocks == 0
 
 
-@serve()
-async def test_failed_prefill_aborts_the_decode_side(c: Cluster):
+async def placed_on_prefill_and_decode(c: Cluster) -> tuple[Peer, Peer]:
+    """A prefill and a decode worker, and r1 placed on them (the gateway admitted)."""
     p = await c.worker("p1", "prefill")
     d = await c.worker("d1", "decode")
     gw = await c.gateway()
     await gw.send(submit("r1"))
     await p.expect(Task)
     await gw.expect(Admitted)
+    return p, d
+
+
+@serve()
+async def test_failed_prefill_aborts_the_decode_side(c: Cluster):
+    p, d = await placed_on_prefill_and_decode(c)
     await p.send(Finished("r1", "p1", "prefill", error="out of memory"))
     assert await d.expect(Abort) == Abort("r1", "peer failed")
     await c.status(p)
@@ -670,12 +676,7 @@ async def test_failed_prefill_aborts_the_decode_side(c: Cluster):
 
 @serve()
 async def test_a_decode_side_failure_aborts_the_prefill_side(c: Cluster):
-    p = await c.worker("p1", "prefill")
-    d = await c.worker("d1", "decode")
-    gw = await c.gateway()
-    await gw.send(submit("r1"))
-    await p.expect(Task)
-    await gw.expect(Admitted)
+    p, d = await placed_on_prefill_and_decode(c)
     await d.send(Finished("r1", "d1", "request", error="bad KV handoff"))
     assert await p.expect(Abort) == Abort("r1", "peer failed")
     await c.assert_quiet(d)  # the failing side is not told again
