@@ -88,7 +88,9 @@ def test_a_killed_decode_worker_s_stream_continues_on_the_other_with_the_same_to
         assert other_result["choices"][0]["finish_reason"] == "length"
         assert router_count(cluster, "decode") == 1  # the dead one was dropped
         [gateway] = [c for c in cluster.children if c.name == "gateway"]
-        assert cluster.metric(gateway, "tandem:request_migrations_total") == 1
+        # The stream moved; the other request too if it was placed on the dead worker before
+        # the router noticed (within its heartbeat timeout) — either way both succeeded.
+        assert cluster.metric(gateway, "tandem:request_migrations_total") in (1, 2)
 
 
 def test_with_no_worker_left_the_stream_ends_in_a_clear_error(model_dir):
