@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,3 +133,15 @@ class TokenIds:
                                      f"choose a prompt whose output avoids it")
             out.append(token_id)
         return out
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 60.0) -> object:
+    """Poll an observable condition until it is truthy (and return it); fail with ``what``
+    after ``timeout`` seconds. Polling a condition, never a guess at a duration."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

@@ -10,15 +10,14 @@ import asyncio
 import json
 import random
 import socket
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from tests.cluster import Cluster
+from tests.cluster import Cluster, wait_for
 from tests.conftest import write_tiny_model
 
 LONG = 2000  # max_tokens no aborted request can reach before its abort lands
@@ -40,14 +39,6 @@ def cluster(tmp_path_factory, smollm2_dir) -> Iterator[Cluster]:
             yield c
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll an observable condition until it holds, failing after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def usage(cluster: Cluster) -> dict[str, tuple[float, float]]:
     return {w.name: (cluster.metric(w, "tandem:kv_cache_usage_perc"),
                      cluster.metric(w, "tandem:num_requests_running")) for w in cluster.workers()}
@@ -60,7 +51,7 @@ def assert_idle(cluster: Cluster, timeout: float = 30.0) -> None:
         return (all(u == (0.0, 0.0) for u in usage(cluster).values())
                 and cluster.metric(cluster.router, "tandem:router_queue_length") == 0)
 
-    wait_for(idle, timeout, "every worker and the router to be idle")
+    wait_for(idle, "every worker and the router to be idle", timeout)
 
 
 def generated(cluster: Cluster) -> float:
@@ -87,7 +78,7 @@ def test_non_streaming_client_that_leaves_is_aborted_at_once(cluster):
     before, aborts = generated(cluster), gateway_aborts(cluster)
     with socket.create_connection(("127.0.0.1", cluster.port)) as sock:
         sock.sendall(http_request("/v1/completions", body))
-        wait_for(lambda: generated(cluster) > before + 10, 60, "generation to start")
+        wait_for(lambda: generated(cluster) > before + 10, "generation to start", 60)
     # The socket is closed: read nothing, wait for nothing.
     assert_idle(cluster)
     assert gateway_aborts(cluster) == aborts + 1

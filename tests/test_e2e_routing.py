@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from common.addresses import free_port
-from tests.cluster import Cluster, TokenIds
+from tests.cluster import Cluster, TokenIds, wait_for
 from tests.extras import require_module
 
 PREFIX = list(range(1000, 1256))  # 16 full blocks
@@ -39,13 +39,6 @@ def placements(cluster: Cluster) -> dict[str, float]:
     """Requests the router placed on each prefill worker (its own count, not the worker's)."""
     return {w.name: cluster.metric(cluster.router, "tandem:router_placements_total", worker=w.name)
             for w in cluster.workers("prefill")}
-
-
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling an observable condition
 
 
 def test_shared_prefix_follows_the_cache_to_the_second_worker(tiny_model_dir, monkeypatch):

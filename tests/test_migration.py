@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.cluster import Cluster
+from tests.cluster import Cluster, wait_for
 from tests.conftest import write_tiny_model
 
 MAX_TOKENS = 400
@@ -44,13 +44,6 @@ def serving(cluster: Cluster, role: str):
     running = [w for w in cluster.workers(role)
                if w.proc.poll() is None and cluster.metric(w, "tandem:num_requests_running") > 0]
     return running[0] if running else None
-
-
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling an observable condition
 
 
 def router_count(cluster: Cluster, role: str) -> float:

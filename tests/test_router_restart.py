@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
-from tests.cluster import Cluster
+from tests.cluster import Cluster, wait_for
 from tests.conftest import write_tiny_model
 
 PREFIX = list(range(2000, 2256))  # 16 full blocks
@@ -26,13 +25,6 @@ PREFIX = list(range(2000, 2256))  # 16 full blocks
 def model_dir(tmp_path_factory, smollm2_dir):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-restart"), smollm2_dir,
                             max_position_embeddings=2048)
-
-
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling an observable condition
 
 
 def complete(cluster: Cluster, prompt: list[int], max_tokens: int = 4) -> httpx.Response:

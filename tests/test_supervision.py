@@ -13,8 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,9 +23,14 @@ import pytest
 from common.addresses import free_port
 from services import launcher
 from services.supervision import RestartPolicy, Supervisor
-from tests.cluster import Cluster
+from tests.cluster import Cluster, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for_restart(condition, what: str, timeout: float = 90.0) -> object:
+    """A restart loads a model: the shared poll, with a longer deadline."""
+    return wait_for(condition, what, timeout)
 
 
 class FakeClock:
@@ -36,17 +39,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def wait_for(condition: Callable[[], object], what: str, timeout: float = 90.0) -> object:
-    """Poll ``condition`` until it is truthy; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # ---- the backoff table ----------------------------------------------------------------
@@ -114,7 +106,7 @@ def test_the_supervisor_restarts_only_the_dead_child_and_never_once_stopping(tmp
         clock.now += 0.5
         supervisor.tick()
         assert children[0].proc.pid != a and children[1].proc.pid == b
-        wait_for(lambda: (supervisor.tick(), "a is healthy again" in capsys.readouterr().out)[1],
+        wait_for_restart(lambda: (supervisor.tick(), "a is healthy again" in capsys.readouterr().out)[1],
                  "the restarted child to answer healthy")
         cluster.stop()
         assert cluster.exited() == children
@@ -153,16 +145,16 @@ def test_a_killed_decode_worker_is_restarted_rejoins_and_gets_work(tiny_model_di
         _complete(cluster.url, "warm up")
         before = _pids(cluster)
         os.kill(before["decode-0"], signal.SIGKILL)
-        wait_for(lambda: _back_again(cluster, "decode-0", before["decode-0"]),
+        wait_for_restart(lambda: _back_again(cluster, "decode-0", before["decode-0"]),
                  f"decode-0 to be restarted and healthy\n{cluster.logs()}")
-        wait_for(lambda: cluster.metric(cluster.router, "tandem:router_workers", role="decode") == 2,
+        wait_for_restart(lambda: cluster.metric(cluster.router, "tandem:router_workers", role="decode") == 2,
                  "the router to count two decode workers")
         restarted = cluster.child("decode-0")
         assert cluster.metric(restarted, "tandem:generation_tokens_total") == 0  # a new process
         # Batches of concurrent requests (every one must succeed) until the restarted worker
         # has taken some: decode placement is by free blocks, so only overlapping requests
         # spread over both decode workers.
-        wait_for(lambda: _batch(cluster.url) and
+        wait_for_restart(lambda: _batch(cluster.url) and
                  cluster.metric(restarted, "tandem:generation_tokens_total") > 0,
                  "the restarted decode worker to be given work", timeout=60)
         after = _pids(cluster)
@@ -195,14 +187,14 @@ def test_tandem_up_restarts_a_killed_gateway_on_its_port_and_sigterm_leaves_no_o
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     out = Output(proc)
     try:
-        wait_for(lambda: out.has("ready: OpenAI API at") or proc.poll() is not None, "tandem up")
+        wait_for_restart(lambda: out.has("ready: OpenAI API at") or proc.poll() is not None, "tandem up")
         assert proc.poll() is None, "".join(out.lines)
         before = {c.cmdline()[3]: c for c in psutil.Process(proc.pid).children()}
         assert {"router", "prefill", "decode", "gateway"} <= set(before)
         before["gateway"].send_signal(signal.SIGKILL)
-        wait_for(lambda: out.has("launcher | gateway exited with status -9: restarting in 0.5 s "
+        wait_for_restart(lambda: out.has("launcher | gateway exited with status -9: restarting in 0.5 s "
                                  "(restart 1)"), "the restart line\n" + "".join(out.lines))
-        wait_for(lambda: out.has("launcher | gateway is healthy again"), "the gateway to be back")
+        wait_for_restart(lambda: out.has("launcher | gateway is healthy again"), "the gateway to be back")
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
         assert r.status_code == 200, r.text
