@@ -37,6 +37,16 @@ class Admitted(Message):
     request_id: str
 
 
+@message("queued")
+@dataclass(frozen=True, slots=True)
+class Queued(Message):
+    """The router holds the request until a worker can take it (``Admitted`` follows, or
+    ``Rejected``). With ``Admitted`` and ``Rejected`` it tells the gateway its ``Submit``
+    arrived: one that is not acknowledged was lost (a router that died as it was sent)."""
+
+    request_id: str
+
+
 @message("rejected")
 @dataclass(frozen=True, slots=True)
 class Rejected(Message):

@@ -17,12 +17,9 @@ import random
 import sys
 import time
 
-import torch
-
 from common.config import available_cpus
 from common.flags import add_engine_flags, engine_config
 from common.sampling_params import SamplingParams
-from loadtest import limits
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +41,7 @@ def random_prompts(num: int, length: int, vocab: int, seed: int = 1) -> list[lis
 
 def run(args: argparse.Namespace) -> int:
     from common.engine.engine import Engine
+    from loadtest import limits  # torch: not for every command that builds the parser
 
     threads = int(args.threads or available_cpus())
     args.threads = threads
@@ -131,6 +129,7 @@ def _model_dir(args: argparse.Namespace) -> str:
 
 
 def _hf_seconds(model_dir: str, prompts: list[list[int]], output_len: int, batch: int) -> float:
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -50,7 +50,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
     from common.connector import KVTransport
-    from services.worker import WorkerSettings as W
+    from services.worker_settings import WorkerSettings as W
 
     p.add_argument("--router", default=env("router", DEFAULT_ROUTER))
     p.add_argument("--host", default=env("host", "127.0.0.1"),
@@ -81,7 +81,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
-    from services.gateway.app import GatewaySettings as G
+    from services.gateway.settings import GatewaySettings as G
 
     p.add_argument("--router", default=env("router", DEFAULT_ROUTER))
     p.add_argument("--host", default=env("host", "127.0.0.1"))

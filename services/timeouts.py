@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from common.flags import default_of, env
 from services.gateway.settings import GatewaySettings
 from services.router.service import RouterSettings
-from services.worker import WorkerSettings
+from services.worker_settings import WorkerSettings
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from common.protocol import (
     Message,
     Ping,
     ProtocolError,
+    Queued,
     Register,
     Rejected,
     Reregister,
@@ -48,6 +49,7 @@ HASHES = hash_prefix_blocks(PROMPT, 4)
 EXAMPLES: list[Message] = [
     Submit("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201"),
     Admitted("req-1"),
+    Queued("req-1"),
     Rejected("req-1", 429, "server busy: 256 requests already queued", 1.0),
     Rejected("req-2", 400, "the prompt is too long"),
     Abort("req-1"),

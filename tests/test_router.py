@@ -21,6 +21,7 @@ from common.protocol import (
     KVEvents,
     Message,
     Ping,
+    Queued,
     Register,
     Rejected,
     Reregister,
@@ -457,7 +458,7 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def router(**overrides):
-    settings = dict(bind="tcp://127.0.0.1:0", metrics_port=0, heartbeat_timeout=60.0)
+    settings = dict(bind="tcp://127.0.0.1:0", metrics_port=0, heartbeat_timeout=60.0, startup_grace=0.0)
     settings.update(overrides)
     clock = settings.pop("clock", time.monotonic)
     service = RouterService(RouterSettings(**settings), clock=clock)
@@ -529,13 +530,32 @@ async def test_colocated_worker_gets_the_task_and_the_gateway_is_admitted(c: Clu
 @serve()
 async def test_duplicate_request_id_is_rejected_400(c: Cluster):
     w = await c.worker("w1")
+    gw, other = await c.gateway(), await c.gateway()
+    await gw.send(submit("r1"))
+    await w.expect(Task)
+    await gw.expect(Admitted)
+    await other.send(submit("r1"))
+    msg = await other.expect(Rejected)
+    assert (msg.request_id, msg.status) == ("r1", 400)
+
+
+@serve(token_budget=4)
+async def test_a_resent_submit_is_answered_with_the_requests_state(c: Cluster):
+    """The gateway sends a Submit again when its acknowledgement is late (it may have been
+    lost with a dying router): the router answers with where the request stands and does
+    not place it twice."""
+    w = await c.worker("w1")
     gw = await c.gateway()
     await gw.send(submit("r1"))
     await w.expect(Task)
     await gw.expect(Admitted)
+    await gw.send(submit("r2"))  # over budget: queued
+    assert await gw.expect(Queued) == Queued("r2")
     await gw.send(submit("r1"))
-    msg = await gw.expect(Rejected)
-    assert (msg.request_id, msg.status) == ("r1", 400)
+    await gw.send(submit("r2"))
+    assert [await gw.expect(Message) for _ in "12"] == [Admitted("r1"), Queued("r2")]
+    assert (await c.status(gw)).queue_length == 1
+    await c.assert_quiet(w)  # no second Task
 
 
 @serve()
@@ -580,6 +600,7 @@ async def test_prefill_worker_without_a_decode_worker_queues(c: Cluster):
     p = await c.worker("p1", "prefill")
     gw = await c.gateway()
     await gw.send(submit("r1"))
+    assert await gw.expect(Queued) == Queued("r1")
     assert (await c.status(gw)).queue_length == 1
     d = await c.worker("d1", "decode")  # registering drains the queue
     task = await p.expect(Task)
@@ -597,6 +618,7 @@ async def test_queue_then_429_then_placement_when_prefill_finishes(c: Cluster):
     await gw.expect(Admitted)
 
     await gw.send(submit("r2"))  # over budget: queued
+    assert await gw.expect(Queued) == Queued("r2")
     await gw.send(submit("r3"))  # the queue is full
     msg = await gw.expect(Rejected)
     assert (msg.request_id, msg.status, msg.retry_after) == ("r3", 429, 1.0)
@@ -618,6 +640,7 @@ async def test_abort_of_a_queued_request_takes_it_out_of_the_queue(c: Cluster):
     await gw.expect(Admitted)
     await gw.send(submit("r2"))
     await gw.send(submit("r3"))
+    assert [await gw.expect(Queued) for _ in "23"] == [Queued("r2"), Queued("r3")]
     await gw.send(Abort("r2"))
     assert (await c.status(gw)).queue_length == 1
     await w.send(Finished("r1", "w1", "request"))
@@ -738,6 +761,7 @@ def test_a_heartbeat_keeps_a_worker_past_the_timeout(clock):
         p = await c.worker("p1", "prefill")
         gw = await c.gateway()
         await gw.send(submit("r0"))  # no decode worker: it waits in the queue
+        assert await gw.expect(Queued) == Queued("r0")
         assert (await c.status(gw)).queue_length == 1
         clock.now += 4.0
         await p.send(Heartbeat("p1", 0, 0, 100, 100))
@@ -840,7 +864,8 @@ def test_while_a_dead_prefill_worker_is_expected_back_requests_queue(clock):
         while (await c.status(gw)).prefill_workers:  # the next maintenance pass drops p1
             assert time.monotonic() < wait
         await gw.send(submit("r1"))
-        assert (await c.status(gw)).queue_length == 1  # queued, not refused: p1 may return
+        assert await gw.expect(Queued) == Queued("r1")  # queued, not refused: p1 may return
+        assert (await c.status(gw)).queue_length == 1
         await p.send(register("p1", "prefill"))  # restarted
         assert (await p.expect(Task)).request_id == "r1"
         assert await gw.expect(Admitted) == Admitted("r1")
@@ -865,5 +890,37 @@ def test_a_prefill_worker_lost_longer_ago_than_the_queue_timeout_means_503(clock
         await gw.send(submit("r1"))
         refusal = await gw.expect(Rejected)
         assert (refusal.status, refusal.reason) == (503, "no prefill worker is available")
+
+    body()
+
+
+def test_a_router_just_started_queues_until_workers_register(clock):
+    """After a router restart the workers register again within a heartbeat: meanwhile a
+    request waits instead of a 503, and once the grace has passed with no worker, the
+    queue is refused."""
+    @serve(startup_grace=5.0, queue_timeout=60.0, clock=clock.monotonic)
+    async def body(c: Cluster):
+        gw = await c.gateway()
+        await gw.send(submit("r1"))
+        assert await gw.expect(Queued) == Queued("r1")
+        w = c.peer("w1")
+        await w.send(register("w1", "colocated"))  # registering drains the queue
+        assert (await w.expect(Task)).request_id == "r1"
+        assert await gw.expect(Admitted) == Admitted("r1")
+
+    body()
+
+
+def test_a_router_whose_workers_never_come_refuses_its_queue_after_the_grace(clock):
+    @serve(startup_grace=5.0, queue_timeout=60.0, clock=clock.monotonic)
+    async def body(c: Cluster):
+        gw = await c.gateway()
+        await gw.send(submit("r1"))
+        assert await gw.expect(Queued) == Queued("r1")
+        clock.now += 5.5
+        refusal = await gw.expect(Rejected)  # refused by the next maintenance pass
+        assert (refusal.request_id, refusal.status) == ("r1", 503)
+        await gw.send(submit("r2"))
+        assert (await gw.expect(Rejected)).status == 503
 
     body()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -86,3 +87,37 @@ def test_a_router_restart_loses_no_stream_and_no_cache(model_dir):
         after = hits(cluster)
         assert after[warm] - before[warm] == len(PREFIX)  # placed on the cache it had before
         assert sum(after.values()) - sum(before.values()) == len(PREFIX)
+
+
+
+def unread_bytes(port: int) -> int:
+    """Bytes waiting in the receive queues of the sockets listening-side on ``port``
+    (``/proc/net/tcp``: local address, then ``tx_queue:rx_queue`` in hex)."""
+    total = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port:
+            total += int(fields[4].split(":")[1], 16)
+    return total
+
+
+def test_a_request_the_dying_router_never_read_is_sent_again(model_dir):
+    """A Submit in the socket of a router that dies before reading it is lost with it.
+    Unacknowledged, the gateway sends it again, and the restarted router serves it. The
+    router is frozen (SIGSTOP) so the Submit is certainly there unread when it is killed;
+    the admission timeout is far beyond the client's, so a lost request would show as a
+    client timeout."""
+    extra = ("--num-kv-blocks", "512", "--admission-timeout", "900", "--queue-timeout", "800")
+    with Cluster(str(model_dir), prefill=1, decode=1, extra=extra, supervise=True) as cluster:
+        assert complete(cluster, [1, 2, 3]).status_code == 200
+        router = cluster.router
+        port = int(router.argv[router.argv.index("--port") + 1])
+        router.proc.send_signal(signal.SIGSTOP)
+        answer: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: answer.append(complete(cluster, [7, 8, 9])))
+        sender.start()
+        wait_for(lambda: unread_bytes(port) > 0, "the Submit to reach the frozen router's socket")
+        router.proc.send_signal(signal.SIGKILL)
+        sender.join(120)
+        assert answer and answer[0].status_code == 200, answer and answer[0].text
+        assert answer[0].json()["usage"]["completion_tokens"] == 4

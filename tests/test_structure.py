@@ -7,6 +7,8 @@ reviewer's head. Also: nobody imports another module's ``_private`` names.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,14 @@ def test_nobody_reaches_into_another_module_for_private_names():
 def test_the_connector_interface_does_not_import_its_transports():
     names = {module for module, _ in imports(ROOT / "common/connector/base.py")}
     assert not any(m.startswith(("common.connector.zmq", "common.connector.ucx")) for m in names)
+
+
+def test_the_router_command_does_not_load_torch():
+    """A supervised router restart is only as quick as the router starts: torch alone takes
+    seconds to import on a loaded machine, and the router never needs it."""
+    code = ("import sys; from cli.main import build_parser; build_parser(); "
+            "import services.router.service; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

@@ -1,7 +1,8 @@
 """The gateway's sockets: a DEALER to the router, and a PULL socket workers push tokens to.
 
 ``RouterLink`` turns them into awaitables: ``submit`` resolves to an ``Admission`` when
-the router admits or refuses the request, and every admitted request gets a channel (an ``asyncio.Queue`` of
+the router admits or refuses the request (a submission the router does not acknowledge
+is sent again, see ACK_S), and every admitted request gets a channel (an ``asyncio.Queue`` of
 ``Tokens``) that fills as workers produce them — whichever worker that is. Channels are
 created before the submission leaves, so no token can arrive to nobody.
 """
@@ -25,6 +26,7 @@ from common.protocol import (
     Message,
     Ping,
     ProtocolError,
+    Queued,
     Rejected,
     Status,
     Submit,
@@ -36,6 +38,12 @@ from common.sampling_params import SamplingParams
 
 log = logging.getLogger("tandem.gateway")
 CONNECT_GRACE_MS = 1000  # how long a message waits for the router's connection to be up
+# A Submit the router has not acknowledged (Queued, Admitted or Rejected) within ACK_S was
+# most likely written into the connection of a router that died as it left: it is sent
+# again (the router answers a resend of a request it knows with its state) until REACH_S,
+# which covers a supervised router restart, and then the request fails with a 503.
+ACK_S = 1.0
+REACH_S = 10.0
 
 
 class RouterUnavailable(Exception):
@@ -66,6 +74,7 @@ class RouterLink:
         self.reply_to = reachable(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         self._channels: dict[str, asyncio.Queue[Tokens]] = {}
         self._admissions: dict[str, asyncio.Future[Message]] = {}
+        self._acks: dict[str, asyncio.Future[None]] = {}  # set when the router has the Submit
         self._pings: dict[int, asyncio.Future[Status]] = {}
         self._nonces = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
@@ -90,10 +99,12 @@ class RouterLink:
         existing one to deliver to (a continuation shares its request's)."""
         channel = channel if channel is not None else asyncio.Queue()
         self._channels[request_id] = channel
-        decided = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        decided, heard = loop.create_future(), loop.create_future()
         self._admissions[request_id] = decided
+        self._acks[request_id] = heard
         try:
-            await self._send(Submit(request_id, prompt, params, self.reply_to))
+            await self._deliver(Submit(request_id, prompt, params, self.reply_to), heard)
             verdict = await asyncio.wait_for(decided, timeout)
         except RouterUnavailable:
             self.release(request_id)
@@ -104,6 +115,7 @@ class RouterLink:
             raise RouterUnavailable(f"the request was not placed within {timeout:g} s") from None
         finally:
             self._admissions.pop(request_id, None)
+            self._acks.pop(request_id, None)
         if isinstance(verdict, Rejected):
             self.release(request_id)
             return Admission(verdict, None)
@@ -134,6 +146,20 @@ class RouterLink:
         self.last_status = status
         return status
 
+    async def _deliver(self, submit: Submit, heard: asyncio.Future[None]) -> None:
+        """Send ``submit`` until the router acknowledges it (see ACK_S)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + REACH_S
+        while True:
+            try:
+                await self._send(submit)
+                await asyncio.wait_for(asyncio.shield(heard), ACK_S)
+                return
+            except (RouterUnavailable, TimeoutError):
+                if loop.time() >= give_up:
+                    raise RouterUnavailable("the router did not acknowledge the request") from None
+            log.info("resending %s: the router has not acknowledged it", submit.request_id)
+
     async def _send(self, msg: Message) -> None:
         """To the router, once connected; the grace covers a connection still being made."""
         if not await self._router.poll(CONNECT_GRACE_MS, zmq.POLLOUT):
@@ -163,7 +189,12 @@ class RouterLink:
             channel = self._channels.get(msg.request_id)
             if channel is not None:
                 channel.put_nowait(msg)
-        elif isinstance(msg, Admitted | Rejected):
+        elif isinstance(msg, Queued | Admitted | Rejected):
+            heard = self._acks.get(msg.request_id)
+            if heard is not None and not heard.done():
+                heard.set_result(None)
+            if isinstance(msg, Queued):
+                return
             fut = self._admissions.get(msg.request_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

@@ -2,7 +2,8 @@
 
 It owns the placement of every request (which prefill worker, which decode worker) and
 the admission queue; it never touches tokens or KV. A request's life here:
-submit → queued or placed (``Task`` to the prefill worker, ``Admitted`` to the gateway)
+submit → queued (``Queued`` to the gateway) or placed (``Task`` to the prefill worker,
+``Admitted`` to the gateway)
 → ``Finished(prefill)`` → ``Finished(request)``. A dead worker's requests are failed
 back to their gateways at once, and the surviving side is told to abort them.
 """
@@ -33,6 +34,7 @@ from common.protocol import (
     Message,
     Ping,
     ProtocolError,
+    Queued,
     Register,
     Rejected,
     Reregister,
@@ -58,6 +60,7 @@ from services.router.prefix_index import PrefixIndex
 from services.router.registry import Registry, WorkerInfo
 
 log = logging.getLogger("tandem.router")
+NO_PREFILL = Refusal(503, "no prefill worker is available", 2.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,10 @@ class RouterSettings:
     # late beat on a loaded machine is not a death, and a killed worker's requests move on
     # within a second.
     heartbeat_timeout: float = 1.0
+    # A router that has just started waits this long for workers before refusing requests
+    # for want of one: after a router restart the workers register again within a
+    # heartbeat or two.
+    startup_grace: float = 5.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
 
@@ -81,6 +88,8 @@ class RouterSettings:
             raise ValueError("token_budget must be >= 1, max_queue and load_weight >= 0")
         if self.queue_timeout <= 0 or self.heartbeat_timeout <= 0:
             raise ValueError("queue_timeout and heartbeat_timeout must be > 0")
+        if self.startup_grace < 0:
+            raise ValueError("startup_grace must be >= 0")
 
 
 @dataclass(slots=True, eq=False)
@@ -108,6 +117,7 @@ class RouterService:
         self.ledger = LoadLedger(self.registry.workers)
         # Workers declared dead (their work was failed), with their role and when: while a
         # prefill-capable one is expected back, requests wait in the queue instead of a 503.
+        self._started = clock()
         self._declared_dead: OrderedDict[str, tuple[WorkerRole, float]] = OrderedDict()
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
@@ -167,6 +177,10 @@ class RouterService:
                 await self._worker_gone(worker)
             for routed in self.queue.expired(now):
                 await self._refuse(routed, self.queue.refusal_for_timeout())
+            if not self.registry.prefill_workers() and not self._prefill_expected_back():
+                for routed in list(self.queue.waiting()):  # nobody is coming to serve them
+                    self.queue.remove(routed)
+                    await self._refuse(routed, NO_PREFILL)
             await self._drain_queue()
             self._update_gauges()
 
@@ -187,7 +201,12 @@ class RouterService:
             log.exception("failed to handle %s from %r", msg.TAG, identity)
 
     async def _on_submit(self, identity: bytes, msg: Submit) -> None:
-        if msg.request_id in self.requests:
+        known = self.requests.get(msg.request_id)
+        if known is not None and known.gateway == identity:  # a resend: its ack was lost
+            queued = known in self.queue.waiting()
+            await self._send(identity, Queued(msg.request_id) if queued else Admitted(msg.request_id))
+            return
+        if known is not None:
             await self._send(identity, Rejected(msg.request_id, 400, "duplicate request id"))
             return
         routed = Routed(msg, identity, self._clock())
@@ -200,11 +219,12 @@ class RouterService:
                 await self._refuse(routed, refusal)
             else:
                 self.requests[msg.request_id] = routed
+                await self._send(identity, Queued(msg.request_id))
 
     def _unservable(self, msg: Submit) -> Refusal | None:
         """Why no worker could ever serve this request now (the same rules as the engine)."""
         if not self.registry.prefill_workers() and not self._prefill_expected_back():
-            return Refusal(503, "no prefill worker is available", 2.0)
+            return NO_PREFILL
         try:
             check_token_ids(msg.prompt_token_ids, None)
             limit = self.registry.max_model_len()
@@ -216,7 +236,11 @@ class RouterService:
 
     def _prefill_expected_back(self) -> bool:
         """A prefill-capable worker died within the queue timeout: a supervisor (tandem up,
-        compose, Kubernetes) is likely restarting it, so queued requests may still be served."""
+        compose, Kubernetes) is likely restarting it, so queued requests may still be served.
+        Likewise just after this router started: if it is a restart, the workers register
+        again on their next heartbeat."""
+        if self._clock() - self._started < self.settings.startup_grace:
+            return True
         horizon = self._clock() - self.settings.queue_timeout
         return any(role.can_prefill and since > horizon
                    for role, since in self._declared_dead.values())
