@@ -58,6 +58,16 @@ def _best_gflops(spec: ModelSpec, rows: int, prepare: Callable, product: Callabl
     return best
 
 
+def fma_peak_gflops(threads: int) -> float | None:
+    """The machine's FMA peak on ``threads`` threads (register-resident FMA chains,
+    ``kernels/cpu/fma_peak.c``); None where the kernel cannot be built."""
+    from kernels import cpu_peak
+
+    if not cpu_peak.available():
+        return None
+    return cpu_peak.fma_peak_gflops(threads)
+
+
 def read_bandwidth_gbs(nbytes: int = 512 * 2**20) -> float:
     """Memory read bandwidth: summing a buffer far larger than the last-level cache."""
     x = torch.ones(nbytes // 4)
@@ -74,6 +84,14 @@ def generation_flops(spec: ModelSpec, prompt_len: int, output_len: int, num_prom
     context_sum = processed * (processed + 1) / 2  # token at position p attends to p+1 keys
     per_prompt = 2.0 * body * processed + lm_head * output_len + attn_per_position * context_sum
     return per_prompt * num_prompts
+
+
+def decode_bytes_per_token(model, spec: ModelSpec, kv_bytes_per_position: float, context: float) -> float:
+    """Bytes a batch-1 decode step reads: the weights as held (quantised or not: the
+    model's own count where it has one) plus the cache of ``context`` positions (K and V
+    of every layer, with their scales where the cache is quantised)."""
+    weights = model.weight_bytes() if hasattr(model, "weight_bytes") else weight_bytes_per_token(spec)
+    return weights + kv_bytes_per_position * context
 
 
 def weight_bytes_per_token(spec: ModelSpec, element_size: int = 4) -> int:

@@ -5,8 +5,10 @@ goes through Tandem, then transformers in static batches (default 16) with the s
 prompts and thread count, then Tandem again (the ratio uses the mean of both Tandem
 runs). It prints both throughputs and their ratio, Tandem's fraction of the compute limit
 (workload FLOPs / fp32 GEMM rate measured now: torch's, as the peers' scripts measure it,
-and our packed kernel's, the stricter limit since it is faster), and batch-1 decode
-latency against the bandwidth limit (weights streamed once per token).
+and our packed kernel's), the fraction of the machine's FMA peak (register-resident FMA
+chains on every thread: the compute limit that no GEMM library defines), and batch-1
+decode latency against the bandwidth limit (the bytes a step actually reads: weights as
+held, quantised or not, plus the KV of the context, over the measured read rate).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     gflops = limits.gemm_gflops(spec)
     kernel_gflops = limits.kernel_gemm_gflops(spec)
     bandwidth = limits.read_bandwidth_gbs()
+    peak = limits.fma_peak_gflops(threads)
+    peak_1 = limits.fma_peak_gflops(1) if threads > 1 else peak
 
     engine.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     engine.pool.reset_prefix_cache()
@@ -69,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     # both sides of HF's cancels a linear drift out of the ratio.
     tandem_runs = [tandem_run()]
     tpot_ms = _batch1_tpot_ms(engine, prompts[0], args.batch1_tokens)
+    plan = engine.cache_plan
+    step_bytes = limits.decode_bytes_per_token(engine.loaded.model, spec, plan.bytes_per_block / plan.block_size,
+                                               args.input_len + args.batch1_tokens / 2)
 
     hf_s = None
     if not args.skip_hf:
@@ -88,9 +95,14 @@ def run(args: argparse.Namespace) -> int:
         "compute_limit_seconds": flops / (gflops * 1e9),
         "fraction_of_compute_limit": flops / (gflops * 1e9) / tandem_s,
         "kernel_gemm_gflops": kernel_gflops,
+        "fma_peak_gflops": peak, "fma_peak_1thread_gflops": peak_1,
         "batch1_tpot_ms": tpot_ms,
-        "batch1_bandwidth_limit_ms": limits.weight_bytes_per_token(spec) / (bandwidth * 1e9) * 1e3,
+        "batch1_bytes_per_token": step_bytes,
+        "batch1_bandwidth_limit_ms": step_bytes / (bandwidth * 1e9) * 1e3,
     }
+    if peak is not None:
+        result["fma_limit_seconds"] = flops / (peak * 1e9)
+        result["fraction_of_fma_peak"] = result["fma_limit_seconds"] / tandem_s
     if kernel_gflops is not None:
         result["kernel_compute_limit_seconds"] = flops / (kernel_gflops * 1e9)
         result["fraction_of_kernel_compute_limit"] = result["kernel_compute_limit_seconds"] / tandem_s
@@ -164,11 +176,17 @@ def _print(r: dict, args: argparse.Namespace) -> None:
         f"compute limit:    {r['compute_limit_seconds']:.1f} s -> tandem at "
         f"{100 * r['fraction_of_compute_limit']:.0f}% of it (at torch's GEMM rate)",
     ]
+    if "fma_limit_seconds" in r:
+        lines += [f"                  {r['fma_limit_seconds']:.1f} s -> tandem at "
+                  f"{100 * r['fraction_of_fma_peak']:.0f}% of it (at the machine's FMA peak, "
+                  f"{r['fma_peak_gflops']:.1f} GFLOP/s on {r['threads']} threads, "
+                  f"{r['fma_peak_1thread_gflops']:.1f} on one)"]
     if "kernel_compute_limit_seconds" in r:
         lines += [f"                  {r['kernel_compute_limit_seconds']:.1f} s -> tandem at "
                   f"{100 * r['fraction_of_kernel_compute_limit']:.0f}% of it (at our kernel's GEMM rate)"]
     lines += [
-        f"batch-1 TPOT:     {r['batch1_tpot_ms']:.1f} ms (bandwidth limit {r['batch1_bandwidth_limit_ms']:.1f} ms, "
+        f"batch-1 TPOT:     {r['batch1_tpot_ms']:.1f} ms (bandwidth limit {r['batch1_bandwidth_limit_ms']:.1f} ms "
+        f"for {r['batch1_bytes_per_token'] / 1e6:.0f} MB read per token: at "
         f"{r['batch1_bandwidth_limit_ms'] / r['batch1_tpot_ms'] * 100:.0f}% of it)",
     ]
     print("\n".join(lines))
