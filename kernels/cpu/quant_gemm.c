@@ -1,0 +1,276 @@
+/*
+ * y = x @ W.T (+ bias) for x float32 [M, K] and W [N, K] kept quantised (GGUF Q8_0,
+ * Q4_0, Q4_1, or int8 with one fp32 scale per row), plus the dequantised rows of W for an
+ * embedding lookup. Weights are dequantised in registers; x stays float32, so the product
+ * equals x @ W.dequantize().T up to float32 summation order. Loader: kernels/cpu_quant.py;
+ * reference: kernels/quant_formats.py. Dequantised weights (embedding, the panel buffer)
+ * are bit-identical to gguf's: d*q is exact in float32 (f16 d, 4/8-bit q), so d*q + m
+ * rounds once, fused or not; the build adds -ffp-contract=off all the same.
+ *
+ * Packed layout (made once at load by quant_pack; every quant and scale kept as is):
+ * rows in panels of 16 (zero rows past N), a panel one contiguous stream of its blocks of
+ * 32 columns, each block the 16 rows' scales then their quants transposed row-fastest:
+ *   Q8_0: d f16[16] | q int8[32][16]                        544 B (34 per row, as GGUF)
+ *   Q4_0: d f16[16] | nib u8[16][16]                        288 B
+ *   Q4_1: d f16[16] | m f16[16] | nib u8[16][16]            320 B
+ * (nib[i][j]: row j's byte i, weight i low, i + 16 high, as in GGUF) and for INT8_ROW a
+ * panel is s f32[16] | q int8[K][16]. One vector load of 8 bytes and a zero/sign
+ * extension gives one k for 8 rows: no horizontal sums, scales load as vectors.
+ *
+ * Small M (decode, M <= QG_GEMV_MAX): per panel, per block, t = sum_k x[k]*q[k] for each
+ * row of x into several FMA chains (FMA latency), then acc += d*t (Q4_1: + m*sum(x) of the
+ * block; Q4_0: - 8d*sum(x)), the block sums of x computed once per call. Each weight byte
+ * is read from DRAM once; rows of x in tiles of up to 2 re-read the panel from L1.
+ * Larger M: per panel, dequantise it into a float32 [K][16] buffer once (L1/L2), then a
+ * 6 x 16 FMA micro-kernel sweeps every row of the M block over it (as packed_gemm.c).
+ *
+ * Threads (OpenMP) split the panels. The AVX2/FMA/F16C code is compiled with target
+ * attributes and chosen at run time; quant_set_portable(1) forces the plain C path.
+ * Entry points return 0, or -1 on an invalid size/format, -2 on an id out of range.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define QG_X86 1
+#define TGT __attribute__((target("avx2,fma,f16c")))
+#else
+#define QG_X86 0
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+#define NR 16 /* rows of W per panel */
+#define QK 32 /* columns per block */
+#define MR 6  /* rows of x per tile of the panel GEMM */
+#ifndef QG_GEMV_MAX
+#define QG_GEMV_MAX 8 /* largest M run by the GEMV path (measured: beats dequantise + GEMM to 8) */
+#endif
+#ifndef QG_MC
+#define QG_MC 96 /* rows of x per block of the panel GEMM */
+#endif
+#ifndef QG_PF
+#define QG_PF 512 /* GEMV: prefetch this many bytes ahead in the panel stream (0: off) */
+#endif
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, INT8_ROW = 3 };
+
+typedef struct {
+    int fmt;
+    const uint8_t *w;
+    const float *x, *bias, *sx; /* sx: block sums of x, [M][K/32] (Q4 GEMV only) */
+    float *y;
+    int64_t ldx, ldy, M, N, K, pbytes;
+} Args;
+
+static int portable_forced = 0;
+
+INLINE int64_t num_panels(int64_t N) { return (N + NR - 1) / NR; }
+INLINE int64_t block_bytes(int fmt) { return fmt == Q8_0 ? 544 : fmt == Q4_0 ? 288 : 320; }
+INLINE int64_t quant_offset(int fmt) { return fmt == Q4_1 ? 64 : 32; }
+INLINE int64_t panel_bytes(int fmt, int64_t K) {
+    return fmt == INT8_ROW ? 64 + NR * K : K / QK * block_bytes(fmt);
+}
+static int valid(int fmt, int64_t N, int64_t K) {
+    return fmt >= Q8_0 && fmt <= INT8_ROW && N >= 0 && K >= 0 && (fmt == INT8_ROW || K % QK == 0);
+}
+
+/* IEEE half to float, exactly (subnormals, infinities and NaN payloads included). */
+static float half_to_float(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f;
+    uint32_t mant = h & 0x3ff, bits;
+    if (e == 0x1f) {
+        bits = sign | 0x7f800000u | mant << 13;
+    } else if (e) {
+        bits = sign | (e + 112) << 23 | mant << 13;
+    } else if (!mant) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        uint32_t be = 113;
+        while (!(mant & 0x400)) mant <<= 1, be--;
+        bits = sign | be << 23 | (mant & 0x3ff) << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+long quant_packed_size(int fmt, long N, long K) {
+    return valid(fmt, N, K) ? (long)(num_panels(N) * panel_bytes(fmt, K)) : -1;
+}
+
+/* src: N GGUF rows (INT8_ROW: N rows of K int8 and scales[N]) into out. */
+int quant_pack(int fmt, const uint8_t *src, const float *scales, long N, long K, uint8_t *out) {
+    if (!valid(fmt, N, K) || (fmt == INT8_ROW && !scales)) return -1;
+    const int64_t pb = panel_bytes(fmt, K), gb = fmt == Q8_0 ? 34 : fmt == Q4_0 ? 18 : 20;
+    const int64_t rb = fmt == INT8_ROW ? K : K / QK * gb, nq = fmt == Q8_0 ? 32 : 16;
+    const int64_t hdr = fmt == Q4_1 ? 4 : 2, qo = quant_offset(fmt);
+    memset(out, 0, (size_t)(num_panels(N) * pb));
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        uint8_t *panel = out + n / NR * pb;
+        const int64_t j = n % NR;
+        const uint8_t *row = src + n * rb;
+        if (fmt == INT8_ROW) {
+            memcpy(panel + 4 * j, scales + n, 4);
+            for (int64_t k = 0; k < K; k++) panel[64 + k * NR + j] = row[k];
+            continue;
+        }
+        for (int64_t b = 0; b < K / QK; b++) {
+            const uint8_t *g = row + b * gb;
+            uint8_t *o = panel + b * block_bytes(fmt);
+            memcpy(o + 2 * j, g, 2);
+            if (fmt == Q4_1) memcpy(o + 32 + 2 * j, g + 2, 2);
+            for (int64_t i = 0; i < nq; i++) o[qo + i * NR + j] = g[hdr + i];
+        }
+    }
+    return 0;
+}
+
+/* Row j of a panel, dequantised into out[k * stride] as gguf does (mul, then add). */
+static void dequant_lane(int fmt, const uint8_t *panel, int64_t K, int64_t j, float *out,
+                         int64_t stride) {
+    if (fmt == INT8_ROW) {
+        float s;
+        memcpy(&s, panel + 4 * j, 4);
+        for (int64_t k = 0; k < K; k++) out[k * stride] = (float)(int8_t)panel[64 + k * NR + j] * s;
+        return;
+    }
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *o = panel + b * block_bytes(fmt), *q = o + quant_offset(fmt) + j;
+        const float d = half_to_float(o + 2 * j), m = fmt == Q4_1 ? half_to_float(o + 32 + 2 * j) : 0;
+        float *r = out + b * QK * stride;
+        for (int64_t i = 0; i < (fmt == Q8_0 ? 32 : 16); i++) {
+            const int v = q[i * NR];
+            if (fmt == Q8_0) {
+                r[i * stride] = (float)(int8_t)v * d;
+            } else if (fmt == Q4_0) {
+                r[i * stride] = (float)((v & 15) - 8) * d, r[(i + 16) * stride] = (float)((v >> 4) - 8) * d;
+            } else {
+                r[i * stride] = d * (float)(v & 15) + m, r[(i + 16) * stride] = d * (float)(v >> 4) + m;
+            }
+        }
+    }
+}
+
+/* out[t] = row ids[t] of W dequantised; -2 (nothing written) if an id is out of range. */
+int quant_embedding(int fmt, const uint8_t *packed, long N, long K, const int64_t *ids, long T,
+                    float *out) {
+    if (!valid(fmt, N, K) || T < 0) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -2;
+    const int64_t pb = panel_bytes(fmt, K);
+#pragma omp parallel for schedule(static) if (T * K >= (1 << 16))
+    for (int64_t t = 0; t < T; t++)
+        dequant_lane(fmt, packed + ids[t] / NR * pb, K, ids[t] % NR, out + t * K, 1);
+    return 0;
+}
+
+/* Portable path: the panel dequantised (exactly), then plain dot products. */
+static void dequant_panel_c(const Args *a, const uint8_t *panel, float *buf) {
+    for (int64_t j = 0; j < NR; j++) dequant_lane(a->fmt, panel, a->K, j, buf + j, NR);
+}
+
+static void gemm_panel_c(const Args *a, const float *buf, int64_t n0, int64_t m0, int64_t m1) {
+    for (int64_t j = 0; j < NR && n0 + j < a->N; j++)
+        for (int64_t m = m0; m < m1; m++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < a->K; k++) s += a->x[m * a->ldx + k] * buf[k * NR + j];
+            a->y[m * a->ldy + n0 + j] = a->bias ? s + a->bias[n0 + j] : s;
+        }
+}
+
+#if QG_X86
+#include "quant_gemm_avx2.h"
+#endif
+
+/* One thread's panels [p0, p1): GEMV tiles for small M, else dequantise + micro-kernel. */
+static void run_panels(const Args *a, int64_t p0, int64_t p1, int avx2, float *buf) {
+#if QG_X86
+    if (avx2 && a->M <= QG_GEMV_MAX) {
+        for (int64_t p = p0; p < p1; p++) gemv_panel_avx2(a, p);
+        return;
+    }
+#endif
+    for (int64_t m0 = 0; m0 < a->M; m0 += QG_MC) {
+        const int64_t m1 = a->M - m0 < QG_MC ? a->M : m0 + QG_MC;
+        for (int64_t p = p0; p < p1; p++) {
+            const uint8_t *panel = a->w + p * a->pbytes;
+#if QG_X86
+            if (avx2) {
+                dequant_panel_avx2(a, panel, buf);
+                gemm_panel_avx2(a, buf, p * NR, m0, m1);
+                continue;
+            }
+#endif
+            dequant_panel_c(a, panel, buf);
+            gemm_panel_c(a, buf, p * NR, m0, m1);
+        }
+    }
+}
+
+static int use_avx2(void) {
+#if QG_X86
+    static int have = -1;
+    if (have < 0)
+        have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    return have && !portable_forced;
+#else
+    return 0;
+#endif
+}
+
+/* Block sums of x for the Q4 GEMV (sum x*(q - 8) = sum x*q - 8 sum x; Q4_1 adds m sum x). */
+static float *block_sums(const Args *a) {
+    const int64_t kb = a->K / QK;
+    float *sx = malloc((size_t)(a->M * kb) * sizeof(float));
+    if (!sx) return NULL;
+    for (int64_t m = 0; m < a->M; m++)
+        for (int64_t b = 0; b < kb; b++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < QK; k++) s += a->x[m * a->ldx + b * QK + k];
+            sx[m * kb + b] = s;
+        }
+    return sx;
+}
+
+int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const float *bias,
+                 float *y, long ldy, long M, long N, long K, int num_threads) {
+    if (!valid(fmt, N, K) || M < 0 || ldx < K || ldy < N) return -1;
+    if (M == 0 || N == 0) return 0;
+    Args a = {fmt, packed, x, bias, NULL, y, ldx, ldy, M, N, K, panel_bytes(fmt, K)};
+    const int avx2 = use_avx2(), gemv = avx2 && M <= QG_GEMV_MAX;
+    float *sx = NULL;
+    if (gemv && (fmt == Q4_0 || fmt == Q4_1) && K > 0 && !(sx = block_sums(&a))) return -3;
+    a.sx = sx;
+    const int64_t P = num_panels(N);
+    int64_t threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > P / 2) threads = P / 2 > 1 ? P / 2 : 1;
+    int rc = 0;
+#pragma omp parallel num_threads((int)threads) reduction(| : rc)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        const int64_t t = 0, T = 1;
+#endif
+        const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
+        float *buf = gemv ? NULL : malloc((size_t)(K * NR + 16) * sizeof(float));
+        if (!gemv && !buf) rc = -3;
+        else if (p0 < p1) run_panels(&a, p0, p1, avx2, buf);
+        free(buf);
+    }
+    free(sx);
+    return rc;
+}
+
+void quant_set_portable(int flag) { portable_forced = flag != 0; }
+
+/* 1 if quant_linear runs the AVX2/FMA/F16C path now, 0 for the portable C path. */
+int quant_isa(void) { return use_avx2(); }

@@ -1,0 +1,254 @@
+"""The CPU kernels on quantised weights (kernels.cpu_quant) against gguf's dequantiser and torch.
+
+Both paths of the library run every case: the AVX2/FMA/F16C one (where the CPU has it)
+and the portable C one (``set_portable(True)``)."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from common.model.loader import ModelNotFoundError, default_gguf_path
+from kernels import cpu_quant
+from kernels.quant_formats import QuantFormat, QuantWeight, quantize_int8_rows
+
+GGUF_FORMATS = [QuantFormat.Q8_0, QuantFormat.Q4_0, QuantFormat.Q4_1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_kernel() -> Iterator[None]:
+    if not cpu_quant.available():
+        pytest.skip(f"CPU quant kernel unavailable: {cpu_quant.unavailable_reason()}")
+    # torch's own references on one thread: tiny products, where a second thread only waits
+    # (the kernel's threads are set per call).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_tensors(path: Path) -> tuple[np.ndarray, dict[str, tuple[list[int], int, int]]]:
+    """The file's bytes and {name: (shape, ggml type, absolute offset)}, from its header.
+    (gguf.GGUFReader builds numpy views of all 98k tokenizer strings first: 10-30 s here.)"""
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = memoryview(buf)
+    pos, alignment = 24, 32
+    n_tensors, n_kv = struct.unpack_from("<QQ", raw, 8)
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", raw, pos)
+        pos += 8 + n
+        return bytes(raw[pos - n : pos]).decode()
+
+    def skip(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            string()
+        elif vtype == 9:
+            etype, count = struct.unpack_from("<IQ", raw, pos)
+            pos += 12
+            if etype in _SCALAR_SIZES:
+                pos += count * _SCALAR_SIZES[etype]
+            else:
+                for _ in range(count):
+                    skip(etype)
+        else:
+            pos += _SCALAR_SIZES[vtype]
+
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", raw, pos)
+        skip(vtype)
+    infos = {}
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", raw, pos)
+        shape = list(struct.unpack_from(f"<{n_dims}Q", raw, pos + 4))
+        ttype, offset = struct.unpack_from("<IQ", raw, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos[name] = shape, ttype, offset
+    start = -(-pos // alignment) * alignment
+    return buf, {name: (shape, t, start + off) for name, (shape, t, off) in infos.items()}
+
+
+@pytest.fixture(scope="module")
+def real_tensors() -> dict[str, tuple[QuantWeight, torch.Tensor]]:
+    """A few rows of the default model's own tensors (embedding Q8_0, layer 0 Q4_1) as
+    QuantWeights, with gguf's dequantisation of them."""
+    try:
+        buf, infos = gguf_tensors(default_gguf_path())
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    out = {}
+    for name, rows in (("token_embd.weight", [0, 1, 2, 9000, 49151]),
+                       ("blk.0.attn_k.weight", range(192)), ("blk.0.ffn_down.weight", range(0, 576, 7))):
+        (k, n), ttype, offset = infos[name]
+        fmt = QuantFormat.from_ggml_type(ttype)
+        row_bytes = fmt.row_bytes(k)
+        data = torch.from_numpy(np.array(buf[offset : offset + n * row_bytes].reshape(n, row_bytes)[list(rows)]))
+        out[name] = QuantWeight(fmt, len(rows), k, data), torch.from_numpy(
+            gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType(ttype)))
+    return out
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs the test on one path of the library, then lets the CPU choose again."""
+    cpu_quant.set_portable(request.param == "portable")
+    try:
+        if cpu_quant.isa() != request.param:
+            pytest.skip("this CPU lacks AVX2/FMA/F16C")
+        yield request.param
+    finally:
+        cpu_quant.set_portable(False)
+
+
+def quantized(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantWeight:
+    """A random weight quantised by gguf itself (INT8_ROW: by quantize_int8_rows)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    if fmt is QuantFormat.INT8_ROW:
+        return quantize_int8_rows(w)
+    blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(fmt.ggml_type))
+    return QuantWeight(fmt, n, k, torch.from_numpy(blocks.reshape(n, -1)))
+
+
+def gguf_dequantize(w: QuantWeight) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType(w.fmt.ggml_type)))
+
+
+def reference(x: torch.Tensor, w: QuantWeight, b: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.dequantize().T + b in float64, rounded to float32."""
+    y = x.double() @ w.dequantize().double().T
+    return (y if b is None else y + b.double()).float()
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    # Another summation order (and for Q4, d*sum(x*q) + m*sum(x)): a few float32 ulps.
+    assert got.dtype is torch.float32 and got.is_contiguous() and got.shape == want.shape
+    scale = float(want.abs().max()) if want.numel() else 1.0
+    # (torch.allclose, not torch.testing.assert_close: that one's first call costs seconds)
+    worst = float((got - want).abs().max() / scale) if want.numel() else 0.0
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * scale), f"max |diff| / max |want| = {worst:.2e}"
+
+
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+def test_embedding_bit_exact_to_gguf(fmt: QuantFormat, isa: str) -> None:
+    w = quantized(fmt, 37, 576, seed=1)
+    want = gguf_dequantize(w)
+    assert torch.equal(w.dequantize(), want)  # the reference this file trusts elsewhere
+    ids = torch.tensor([0, 36, 5, 5, 16, 17, 31, 32])
+    assert torch.equal(cpu_quant.embedding(cpu_quant.pack(w), ids), want[ids])
+    assert cpu_quant.embedding(cpu_quant.pack(w), ids[:0]).shape == (0, 576)
+
+
+def test_int8_row_embedding_exact() -> None:
+    w = quantized(QuantFormat.INT8_ROW, 21, 37, seed=2)
+    ids = torch.arange(20, -1, -1)
+    assert torch.equal(cpu_quant.embedding(cpu_quant.pack(w), ids), w.dequantize()[ids])
+
+
+def test_real_gguf_tensors(real_tensors: dict[str, tuple[QuantWeight, torch.Tensor]], isa: str) -> None:
+    assert {w.fmt for w, _ in real_tensors.values()} == {QuantFormat.Q8_0, QuantFormat.Q4_1}
+    for name, (w, want) in real_tensors.items():
+        packed = cpu_quant.pack(w)
+        assert torch.equal(cpu_quant.embedding(packed, torch.arange(w.n)), want), name
+        x = torch.randn(3, w.k)
+        assert_matches(cpu_quant.linear(x, packed), (x.double() @ want.double().T).float())
+
+
+@pytest.mark.parametrize("k", [32, 576, 1536])
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_linear_matches_torch(fmt: QuantFormat, k: int, isa: str) -> None:
+    n = 149  # 9 full panels of 16 rows and a partial one
+    w = quantized(fmt, n, k, seed=k)
+    packed = cpu_quant.pack(w)
+    assert (packed.fmt, packed.n, packed.k) == (fmt, n, k) and packed.nbytes == packed.data.numel()
+    g = torch.Generator().manual_seed(k + 1)
+    b, dense = torch.randn(n, generator=g), w.dequantize().double()
+    for m in (1, 2, 3, 7, 16, 64, 100):
+        x = torch.randn(m, k, generator=g)
+        want = x.double() @ dense.T
+        assert_matches(cpu_quant.linear(x, packed, num_threads=1), want.float())
+        assert_matches(cpu_quant.linear(x, packed, b, num_threads=2), (want + b.double()).float())
+
+
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_exact_on_small_integers(fmt: QuantFormat, isa: str) -> None:
+    """Scales 1 (Q4_1: m = -8) and small integer x: every partial sum is exact in float32,
+    so any order must give the float64 product exactly, tails included."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 21, 64
+    q = torch.randint(-8, 8, (n, k), generator=g)
+    if fmt is QuantFormat.INT8_ROW:
+        w = QuantWeight(fmt, n, k, q.to(torch.int8).view(torch.uint8), torch.ones(n))
+    else:
+        blocks = torch.zeros(n, k // 32, fmt.block_bytes, dtype=torch.uint8)
+        blocks[..., 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+        qb = q.reshape(n, k // 32, 32)
+        if fmt is QuantFormat.Q8_0:
+            blocks[..., 2:] = qb.to(torch.int8).view(torch.uint8)
+        else:
+            nib = (qb + 8).to(torch.uint8)
+            blocks[..., -16:] = nib[..., :16] | nib[..., 16:] << 4
+            if fmt is QuantFormat.Q4_1:
+                blocks[..., 2:4] = torch.tensor([-8.0], dtype=torch.float16).view(torch.uint8)
+        w = QuantWeight(fmt, n, k, blocks.reshape(n, -1))
+    assert torch.equal(w.dequantize(), q.float())
+    packed, b = cpu_quant.pack(w), torch.randint(-8, 8, (n,), generator=g).float()
+    for m in (1, 2, 5, 13):
+        x = torch.randint(-8, 8, (m, k), generator=g).float()
+        assert torch.equal(cpu_quant.linear(x, packed, b), reference(x, w, b))
+
+
+def test_strided_and_empty_inputs(isa: str) -> None:
+    w = quantized(QuantFormat.Q4_1, 40, 64, seed=4)
+    packed = cpu_quant.pack(w)
+    big = torch.randn(5, 100)
+    for x in (big[:, 10:74], big[:, :64].t().contiguous().t()[:3]):  # strided rows; column-major
+        assert_matches(cpu_quant.linear(x, packed), reference(x, w, None))
+    assert cpu_quant.linear(torch.empty(0, 64), packed).shape == (0, 40)
+
+
+def test_isa_names_the_path() -> None:
+    cpu_quant.set_portable(True)
+    try:
+        assert cpu_quant.isa() == "portable"
+    finally:
+        cpu_quant.set_portable(False)
+    assert cpu_quant.isa() in ("avx2", "portable")
+
+
+def test_argument_errors() -> None:
+    w = quantized(QuantFormat.Q8_0, 20, 64, seed=5)
+    packed = cpu_quant.pack(w)
+    bad_x = [torch.randn(2, 64, dtype=torch.float64), torch.randn(2, 63), torch.randn(64),
+             torch.empty(2, 64, device="meta")]
+    for x in bad_x:
+        with pytest.raises(ValueError):
+            cpu_quant.linear(x, packed)
+    for bias in (torch.randn(19), torch.randn(20, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="bias"):
+            cpu_quant.linear(torch.randn(2, 64), packed, bias)
+    with pytest.raises(ValueError, match="QuantPacked"):
+        cpu_quant.linear(torch.randn(2, 64), w)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="QuantWeight"):
+        cpu_quant.pack(torch.randn(20, 64))  # type: ignore[arg-type]
+    for ids in (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([[0]]), torch.tensor([3, 20]),
+                torch.tensor([-1])):
+        with pytest.raises(ValueError):
+            cpu_quant.embedding(packed, ids)
+    with pytest.raises(ValueError, match="uint8"):
+        cpu_quant.pack(w, out=torch.empty(7, dtype=torch.uint8))
