@@ -6,9 +6,10 @@ Every process (the offline engine, prefill, decode and colocated workers) builds
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -96,12 +97,74 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """N-gram speculative decoding (``--speculative-config``, vLLM's JSON keys).
+
+    A decoding sequence drafts up to ``num_speculative_tokens`` tokens by prompt lookup:
+    the longest suffix of its tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``
+    long) that occurred before, continued as it went on there. The last four fields are
+    the switch-offs: no drafting in a step with more than ``disable_by_batch_size``
+    decoding sequences, and a request whose smoothed acceptance rate falls below
+    ``min_acceptance_rate`` drafts nothing for ``backoff_steps`` steps.
+    """
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int = 8  # more decodes than this in a step: no drafts
+    min_acceptance_rate: float = 0.2  # per request, of the smoothed rate
+    acceptance_smoothing: float = 0.3  # weight of the newest step in the moving average
+    backoff_steps: int = 16  # steps a request with low acceptance drafts nothing
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
+        if not 0.0 < self.acceptance_smoothing <= 1.0:
+            raise ValueError(f"acceptance_smoothing must be in (0, 1], got {self.acceptance_smoothing}")
+        if self.backoff_steps < 0:
+            raise ValueError(f"backoff_steps must be >= 0, got {self.backoff_steps}")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse the flag's JSON object; unknown keys and bad values raise ``ValueError``."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("--speculative-config needs num_speculative_tokens")
+        kinds = {"int": (int,), "float": (int, float), "str": (str,)}
+        for f in fields(cls):
+            value = raw.get(f.name)
+            if f.name in raw and (isinstance(value, bool) or not isinstance(value, kinds[f.type])):
+                raise ValueError(f"--speculative-config: {f.name} must be a {f.type}, got {value!r}")
+        return cls(**raw)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     threads: int | None = None  # torch intra-op threads; None = every available CPU
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
+    speculative: SpeculativeConfig | None = None  # None = no speculative decoding
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:

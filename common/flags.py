@@ -17,7 +17,14 @@ import dataclasses
 import os
 from typing import Any
 
-from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from common.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_size,
+)
 
 ENGINE_GROUP = "engine"
 _TRUE = ("1", "true", "yes", "on")
@@ -88,6 +95,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     add("--threads", type=int, default=env("threads", default_of(EngineConfig, "threads"), int),
                    help="torch threads (default: every CPU this process may use)")
     add("--seed", type=int, default=env("seed", default_of(EngineConfig, "seed"), int))
+    add("--speculative-config", default=env("speculative_config", default_of(EngineConfig, "speculative")),
+                   help='n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3, "prompt_lookup_max": 3}\' (default: off)')
     return actions
 
 
@@ -105,4 +115,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         threads=args.threads,
         seed=args.seed,
+        speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
     )

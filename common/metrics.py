@@ -55,6 +55,11 @@ class EngineMetrics(RequestMetrics):
         self.prefix_hits = Counter("tandem:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache", registry=r)
         self.preemptions = Counter("tandem:num_preemptions", "Sequences preempted", registry=r)
+        # Acceptance rate = rate(accepted) / rate(draft), as with vLLM's counters.
+        self.spec_draft_tokens = Counter("tandem:spec_decode_num_draft_tokens",
+                                         "Speculative draft tokens verified", registry=r)
+        self.spec_accepted_tokens = Counter("tandem:spec_decode_num_accepted_tokens",
+                                            "Speculative draft tokens accepted", registry=r)
         self.kv_bytes = Counter("tandem:kv_transfer_bytes", "KV bytes shipped or received",
                                 ["direction"], registry=r)
         self.kv_seconds = Histogram("tandem:kv_transfer_seconds",

@@ -129,4 +129,8 @@ def main(engine: Engine, prompts_path: str, out_path: str, default_max_tokens: i
     tokens = sum(r.get("usage", {}).get("completion_tokens", 0) for r in records)
     print(f"tandem generate: {len(records) - len(errors)}/{len(records)} prompts, {tokens} tokens "
           f"in {elapsed:.1f} s ({tokens / max(elapsed, 1e-9):.1f} tok/s) -> {out_path}", file=sys.stderr)
+    stats = engine.stats()
+    if stats.acceptance_rate is not None:
+        print(f"tandem generate: speculative decoding accepted {stats.num_accepted_tokens} of "
+              f"{stats.num_draft_tokens} draft tokens ({100 * stats.acceptance_rate:.0f}%)", file=sys.stderr)
     return 1 if errors else 0

@@ -92,7 +92,7 @@ class WorkerService:
         if wakeup is not None:
             self._poller.register(wakeup, zmq.POLLIN)
         self._wakeable = self.receiver is None or wakeup is not None
-        self._stats_seen = (0, 0, 0)
+        self._stats_seen = (0, 0, 0, 0, 0)
         self._stopping = False
 
     def _connector_error(self, kind: str, detail: str) -> None:
@@ -374,10 +374,12 @@ class WorkerService:
         m.running.set(stats.num_running)
         m.waiting.set(stats.num_waiting + len(self.incoming))
         m.kv_usage.set(stats.kv_usage)
-        seen = (stats.prefix_queries, stats.prefix_hits, stats.num_preemptions)
-        m.prefix_queries.inc(seen[0] - self._stats_seen[0])
-        m.prefix_hits.inc(seen[1] - self._stats_seen[1])
-        m.preemptions.inc(seen[2] - self._stats_seen[2])
+        seen = (stats.prefix_queries, stats.prefix_hits, stats.num_preemptions,
+                stats.num_draft_tokens, stats.num_accepted_tokens)
+        counters = (m.prefix_queries, m.prefix_hits, m.preemptions, m.spec_draft_tokens,
+                    m.spec_accepted_tokens)
+        for counter, now, before in zip(counters, seen, self._stats_seen, strict=True):
+            counter.inc(now - before)
         self._stats_seen = seen
 
     def _send_router(self, msg: Message) -> None:

@@ -24,6 +24,7 @@ from common.engine.runner import ModelRunner
 from common.engine.sampler import Sampler
 from common.engine.scheduler import Scheduler
 from common.engine.setup import LoadedModel, load_model, plan_cache
+from common.engine.speculative import SpecStats, Speculator, verify
 from common.errors import InvalidRequestError
 from common.hashing import BlockHash
 from common.model.tokenizer import Detokenizer
@@ -60,6 +61,12 @@ class EngineStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache, ever
     prefix_hits: int  # of those, found
     num_preemptions: int
+    num_draft_tokens: int = 0  # speculative tokens verified, ever
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 @dataclass(slots=True)
@@ -106,6 +113,8 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.kv, self.cache_plan.num_blocks,
                                   self.cache_plan.dtype, self.loaded.backend)
         self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.speculator = (Speculator(config.speculative, config.scheduler.max_num_batched_tokens,
+                                      self.max_model_len) if config.speculative else None)
         self._requests: dict[str, _Tracked] = {}
         self._handoffs_taken: set[str] = set()
         self._ids = itertools.count()
@@ -226,9 +235,11 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
+        spec = self.speculator.stats if self.speculator else SpecStats()
         return EngineStats(self.num_running, self.num_waiting, self.pool.num_free_blocks,
                            self.pool.num_blocks, self.pool.usage, s.prefix_queries,
-                           s.prefix_hits, self.scheduler.num_preemptions)
+                           s.prefix_hits, self.scheduler.num_preemptions,
+                           spec.num_draft_tokens, spec.num_accepted_tokens)
 
     # ---- KV export (the prefill side of a handoff) -----------------------------------
 
@@ -251,17 +262,37 @@ class Engine:
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[SeqUpdate]:
-        out = self.scheduler.schedule()
+        drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        out = self.scheduler.schedule(drafts)
         if out.is_empty:
             return []
         result = self.runner.execute(out)
         self.scheduler.advance(out)
-        seqs, logits = self._expand_forks(result.seqs, result.logits)
+        plain_seqs, plain_rows, drafted = self._split(result)
+        plain_logits = result.logits[plain_rows] if drafted else result.logits
+        seqs, logits = self._expand_forks(plain_seqs, plain_logits)
         sampled = self.sampler(logits, seqs)
         now = time.monotonic()
-        updates = [self._postprocess(seq, token, lp, now)
+        updates = [self._postprocess(seq, [token], [lp] if lp is not None else [], now)
                    for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True)]
+        for seq, draft, rows in drafted:
+            verified = verify(self.sampler, seq, draft, result.logits[rows])
+            self.speculator.observe(seq, len(draft), verified.num_accepted)
+            updates.append(self._postprocess(seq, verified.token_ids, verified.logprobs, now))
+            self.scheduler.settle_draft(seq, verified.num_accepted)
         return updates
+
+    def _split(self, result) -> tuple[list[Sequence], list[int], list[tuple[Sequence, tuple[int, ...], slice]]]:
+        """Sequences sampling one row (and their rows) apart from those verifying a draft."""
+        plain, plain_rows, drafted, row = [], [], [], 0
+        for seq, draft in zip(result.seqs, result.drafts, strict=True):
+            if draft:
+                drafted.append((seq, draft, slice(row, row + 1 + len(draft))))
+            else:
+                plain.append(seq)
+                plain_rows.append(row)
+            row += 1 + len(draft)
+        return plain, plain_rows, drafted
 
     def _expand_forks(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
         """A request with n > 1 forks when its prompt is done; all n choices sample its logits."""
@@ -282,30 +313,45 @@ class Engine:
             return seqs, logits
         return expanded, logits[torch.tensor(rows)]
 
-    def _postprocess(self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float) -> SeqUpdate:
-        seq.token_ids.append(token)
+    def _postprocess(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob],
+                     now: float) -> SeqUpdate:
+        """Append the step's tokens (several after a verified draft) up to a stop."""
         if seq.first_token_time is None:
             seq.first_token_time = now
-        if logprob is not None:
-            seq.logprobs.append(logprob)
         tracked = self._requests[seq.request.request_id]
-        reason, stop = self._check_stop(seq, token)
-        text = ""
         stream = self._stream(tracked, seq)
+        kept, text, reason, stop = self._append_tokens(seq, stream, tokens)
+        lps = logprobs[: len(kept)]
+        seq.logprobs.extend(lps)
         if stream is not None:
-            delta = stream.push(token)
-            if delta.stop is not None and reason is None:
-                reason, stop = FinishReason.STOP, delta.stop
-            text = delta.text + (stream.finish().text if reason is not None else "")
+            text += stream.finish().text if reason is not None else ""
             tracked.texts.setdefault(seq.choice, []).append(text)
         if reason is not None:
             seq.stop_reason = stop
             self.scheduler.finish(seq, reason)
         elif seq.request.prefill_only:
             self.scheduler.detach(seq)
-        lps = [logprob] if logprob is not None else []
-        return SeqUpdate(seq.request.request_id, seq.choice, seq.num_output_tokens - 1, [token], text,
-                         lps, reason, stop, seq.num_cached_tokens)
+        return SeqUpdate(seq.request.request_id, seq.choice, seq.num_output_tokens - len(kept), kept,
+                         text, lps, reason, stop, seq.num_cached_tokens)
+
+    def _append_tokens(self, seq: Sequence, stream: Detokenizer | None, tokens: list[int]
+                       ) -> tuple[list[int], str, FinishReason | None, str | int | None]:
+        """The tokens kept (through the first that stops the sequence), their text, the stop."""
+        kept: list[int] = []
+        texts: list[str] = []
+        reason, stop = None, None
+        for token in tokens:
+            seq.token_ids.append(token)
+            kept.append(token)
+            reason, stop = self._check_stop(seq, token)
+            if stream is not None:
+                delta = stream.push(token)
+                if delta.stop is not None and reason is None:
+                    reason, stop = FinishReason.STOP, delta.stop
+                texts.append(delta.text)
+            if reason is not None:
+                break
+        return kept, "".join(texts), reason, stop
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, int | None]:
         p = seq.params

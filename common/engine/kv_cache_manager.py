@@ -102,6 +102,15 @@ class KVCacheManager:
             self.pool.cache(table.blocks[i], hashes[i], tokens)
         table.num_cached_blocks = full
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's computed tokens (they held only rejected
+        draft tokens: private, never cached), tail first."""
+        table = self._tables[seq.seq_id]
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if len(table.blocks) > keep:
+            self.pool.free(reversed(table.blocks[keep:]))
+            del table.blocks[keep:]
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent``; writes into a shared block copy it first."""
         src = self._tables[parent.seq_id]

@@ -4,7 +4,8 @@ The cache is one tensor ``[num_blocks, num_layers, 2, block_size, kv_heads, head
 block-major, so one block of one sequence (all layers, K and V) is a single contiguous
 buffer — a copy-on-write is one slice copy and a KV transfer is one frame per block.
 ``execute`` turns a ``SchedulerOutput`` into input tensors, runs the model and returns
-the logits of the positions that sample.
+the logits of the positions that sample: one row per sampling sequence, or 1 + k rows
+for a sequence verifying a draft of k tokens (its last token's and each draft token's).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from kernels.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 @dataclass(slots=True)
 class StepResult:
     seqs: list[Sequence]  # the sequences that sample, in logits row order
-    logits: torch.Tensor  # [len(seqs), vocab] fp32
+    logits: torch.Tensor  # [sum(1 + len(draft) for each seq), vocab] fp32
+    drafts: list[tuple[int, ...]]  # each seq's verified draft (empty: one row)
 
 
 @dataclass(slots=True)
@@ -36,6 +38,7 @@ class _Inputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor
     sample_seqs: list[Sequence]
+    drafts: list[tuple[int, ...]]
 
 
 class ModelRunner:
@@ -60,7 +63,7 @@ class ModelRunner:
         inputs = self._prepare(out.chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend)
         logits = self.model.logits(hidden[inputs.sample_rows])
-        return StepResult(inputs.sample_seqs, logits)
+        return StepResult(inputs.sample_seqs, logits, inputs.drafts)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -104,20 +107,21 @@ class ModelRunner:
         for chunk, table in zip(decodes + prefills, tables, strict=True):
             self._append_chunk(chunk, table, ids, positions, slots)
         meta = self._metadata(decodes, prefills, tables, slots)
-        sample_rows, sample_seqs, row = [], [], 0
+        sample_rows, sample_seqs, drafts, row = [], [], [], 0
         for chunk in decodes + prefills:
             row += chunk.num_new_tokens
             if chunk.samples:
-                sample_rows.append(row - 1)
+                sample_rows.extend(range(row - 1 - len(chunk.draft), row))
                 sample_seqs.append(chunk.seq)
+                drafts.append(chunk.draft)
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return _Inputs(tensor(ids), tensor(positions), meta, tensor(sample_rows), sample_seqs)
+        return _Inputs(tensor(ids), tensor(positions), meta, tensor(sample_rows), sample_seqs, drafts)
 
     def _append_chunk(self, chunk: ScheduledChunk, table: list[int], ids: list[int],
                       positions: list[int], slots: list[int]) -> None:
         bs = self.block_size
         span = range(chunk.start, chunk.start + chunk.num_new_tokens)
-        ids.extend(chunk.seq.token_ids[span.start : span.stop])
+        ids.extend(chunk.token_ids)
         positions.extend(span)
         slots.extend(table[p // bs] * bs + p % bs for p in span)
 

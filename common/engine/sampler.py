@@ -35,15 +35,45 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(seqs)} sequences")
         logits = logits.float()
         raw_logprobs = self._logprobs(logits, seqs)
-        logits = _apply_penalties(logits, seqs)
-        logits = self._mask_early_stop(logits, seqs)
+        logits = self.adjust(logits, seqs)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             index = torch.tensor(sampled)
-            tokens[index] = self._sample(logits[index], [seqs[i] for i in sampled])
+            rows = [seqs[i] for i in sampled]
+            tokens[index] = self.race(self.target_probs(logits[index], rows), rows)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_list, seqs))
+
+    # The pieces below are also what speculative verification samples with, so a draft
+    # is judged against exactly the distribution this sampler draws from.
+
+    def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Penalties and the min_tokens mask: the logits greedy takes the argmax of."""
+        return self._mask_early_stop(_apply_penalties(logits, seqs), seqs)
+
+    def target_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """[S, V] adjusted logits → the distribution sampling draws from (temperature,
+        top-k, top-p, min-p; rows need not sum to one)."""
+        temperature = torch.tensor([s.params.temperature for s in seqs]).unsqueeze(1)
+        logits = logits / temperature
+        logits = _top_k(logits, [s.params.effective_top_k for s in seqs])
+        logits = _top_p(logits, [s.params.top_p for s in seqs])
+        probs = logits.softmax(dim=-1)
+        return _min_p(probs, [s.params.min_p for s in seqs])
+
+    def race(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row, drawn in proportion to ``probs`` (unnormalised is fine)."""
+        noise = self._exponential_noise(probs.shape, seqs)
+        return (probs / noise).argmax(dim=-1)
+
+    def uniform(self, seq: Sequence) -> float:
+        """A draw from U[0, 1), from the sequence's own stream when it is seeded."""
+        return float(torch.rand((), generator=seq.generator or self._generator))
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> list[TokenLogprob | None]:
+        """Logprob records of ``tokens`` under the raw rows of ``logits`` (one per seq)."""
+        return _gather_logprobs(self._logprobs(logits.float(), seqs), tokens, seqs)
 
     def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         if all(s.params.logprobs is None for s in seqs):
@@ -60,16 +90,6 @@ class Sampler:
             banned = list(seqs[i].params.stop_token_ids) + list(self.eos_token_ids)
             logits[i, [t for t in banned if t < logits.shape[1]]] = float("-inf")
         return logits
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        temperature = torch.tensor([s.params.temperature for s in seqs]).unsqueeze(1)
-        logits = logits / temperature
-        logits = _top_k(logits, [s.params.effective_top_k for s in seqs])
-        logits = _top_p(logits, [s.params.top_p for s in seqs])
-        probs = logits.softmax(dim=-1)
-        probs = _min_p(probs, [s.params.min_p for s in seqs])
-        noise = self._exponential_noise(probs.shape, seqs)
-        return (probs / noise).argmax(dim=-1)
 
     def _exponential_noise(self, shape: torch.Size, seqs: list[Sequence]) -> torch.Tensor:
         noise = torch.empty(shape).exponential_(generator=self._generator)

@@ -6,11 +6,19 @@ What budget remains admits waiting sequences, also in arrival order, each with a
 a chunk as fits. When the cache cannot hold a running sequence's next tokens, the most
 recently arrived running sequence is preempted: its blocks are freed and it goes back to
 the head of the queue, to be recomputed (mostly from the prefix cache) later.
+
+A decoding sequence may bring a draft (speculative decoding): its chunk is then its last
+token plus the draft tokens, verified in one step. Drafts take budget and blocks only
+when both are to spare (a draft never preempts anyone); after verification
+``settle_draft`` keeps the accepted tokens' KV and gives back the blocks that only
+rejected tokens used. Draft tokens never enter ``seq.token_ids``, so no block is ever
+hashed into the prefix cache with tokens that were not accepted.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from common.config import SchedulerConfig
@@ -22,12 +30,23 @@ from common.engine.request import FinishReason, SeqStatus, Sequence
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step
-    num_new_tokens: int
+    num_new_tokens: int  # draft tokens included
+    draft: tuple[int, ...] = ()  # provisional tokens after the sequence's last one
+
+    @property
+    def end(self) -> int:
+        """The sequence's known tokens computed through, once the step ran (drafts excluded)."""
+        return self.start + self.num_new_tokens - len(self.draft)
 
     @property
     def samples(self) -> bool:
         """The step reaches the end of the sequence's known tokens, so it yields a token."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.end == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step feeds the model: known ones, then the draft."""
+        return self.seq.token_ids[self.start : self.end] + list(self.draft)
 
 
 @dataclass(slots=True)
@@ -75,9 +94,10 @@ class Scheduler:
             child.status = SeqStatus.RUNNING
         self.running[at:at] = children
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[Sequence, list[int]] | None = None) -> SchedulerOutput:
+        """``drafts``: proposed tokens of decoding sequences, taken as far as room allows."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, drafts or {})
         if not out.preempted:  # a cache that just ran out takes no newcomers
             self._schedule_waiting(out, budget)
         out.block_copies = self.kv.take_copies()
@@ -86,8 +106,17 @@ class Scheduler:
     def advance(self, out: SchedulerOutput) -> None:
         """Record that the step computed its chunks' KV."""
         for chunk in out.chunks:
-            chunk.seq.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            chunk.seq.num_computed_tokens = chunk.end
             self.kv.cache_computed_blocks(chunk.seq)
+
+    def settle_draft(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification (the accepted tokens already appended): their KV counts as
+        computed, blocks that held only rejected tokens are freed."""
+        if seq.status is not SeqStatus.RUNNING:
+            return  # finished within the accepted run: every block is already freed
+        seq.num_computed_tokens += num_accepted
+        self.kv.cache_computed_blocks(seq)
+        self.kv.trim(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.is_finished:
@@ -110,17 +139,30 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
         self.running.extend(seqs)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          drafts: Mapping[Sequence, list[int]]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            draft = self._fit_draft(seq, drafts.get(seq), budget, len(self.running) - i - 1)
+            num_new = min(seq.num_uncomputed_tokens, budget) + len(draft)
             if not self._make_room(seq, num_new, out):
                 break  # seq itself was preempted; everything after it is gone too
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new, draft))
             budget -= num_new
             i += 1
         return budget
+
+    def _fit_draft(self, seq: Sequence, draft: list[int] | None, budget: int,
+                   num_after: int) -> tuple[int, ...]:
+        """The part of a draft that fits the budget, if its blocks leave one free block for
+        each running sequence after it (so drafting never causes a preemption)."""
+        if not draft or seq.num_uncomputed_tokens != 1:
+            return ()
+        draft = draft[: budget - 1]
+        if draft and self.kv.blocks_needed(seq, 1 + len(draft)) + num_after > self.kv.pool.num_free_blocks:
+            return ()
+        return tuple(draft)
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.can_allocate(seq, num_new):
