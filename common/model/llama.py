@@ -187,10 +187,13 @@ class LlamaModel(torch.nn.Module):
                        for n in _PackedLayer._fields]  # fmt: skip
         head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head
         formats = [w.fmt for w in [*projections, head] if isinstance(w, QuantPacked)]
-        kinds = "+".join(dict.fromkeys(_kind(w) for w in projections))
+        by_kind: dict[str, int] = {}
+        for w in projections:
+            by_kind[_kind(w)] = by_kind.get(_kind(w), 0) + _nbytes(w)
+        kinds = "+".join(sorted(by_kind, key=by_kind.__getitem__, reverse=True))
         gguf = any(f.value != "int8" for f in formats)  # int8 or fp32 say so themselves
         return (f"{'gguf ' * gguf}{kinds} (+{_kind(head)} head), "
-                f"{self.weight_bytes() / 1e6:.0f} MB per step")
+                f"{self.weight_bytes() / 1e6:.3g} MB per step")
 
     @property
     def cpu_kernels(self) -> list[str]:
