@@ -99,6 +99,8 @@ def test_tiny_gguf_keeps_the_files_formats(tiny_gguf):
     assert model.embed.numel() == 0  # the fp32 copies are freed
     assert all(layer.o.numel() == 0 and layer.qkv.numel() == 0 for layer in model.layers)
     assert model.describe_weights().startswith("gguf ") and name.upper() in model.describe_weights()
+    fp32_too = ["packed GEMM"] * (name != "q8_0")  # the others have fp32 projections
+    assert model.cpu_kernels == [*fp32_too, "quantised GEMM", "fused ops"]
 
 
 def test_tiny_gguf_batch_and_chunked_prefill_match_hf(tiny_gguf):
@@ -141,6 +143,7 @@ def smollm2_gguf():
 def test_smollm2_gguf_mode_holds_the_files_blocks(smollm2_gguf):
     model = smollm2_gguf.model
     assert model.describe_weights().startswith("gguf Q4_1 (+Q8_0 head)")
+    assert model.cpu_kernels == ["quantised GEMM", "fused ops"]  # the fused forward path
     fp32 = sum(p.numel() for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert fp32 == 0 and model.embed.numel() == 0
     spec = smollm2_gguf.spec

@@ -60,7 +60,7 @@ def read_native(path: Path, spec: ModelSpec) -> NativeTensors:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = reader.fields["general.architecture"].contents()
     out = NativeTensors()
     for t in reader.tensors:
         name, fmt = hf_name(t.name), QuantFormat.from_ggml_type(int(t.tensor_type))

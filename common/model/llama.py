@@ -169,36 +169,37 @@ class LlamaModel(torch.nn.Module):
         if self.lm_head is not self.embed:
             self.lm_head.data = torch.empty(0)
 
+    def _held(self) -> tuple[list[Weight], Weight]:
+        """Every projection and the LM head, as the forward pass holds them."""
+        head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head
+        names = _PackedLayer._fields
+        return [getattr(layer.packed or layer, n) for layer in self.layers for n in names], head
+
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every projection (with its bias) and the
         LM head, as held (packed, quantised); the embedding lookup is not counted."""
-        head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head
-        total = _nbytes(head)
-        for layer in self.layers:
-            w = layer.packed or layer
-            total += sum(_nbytes(getattr(w, n)) for n in _PackedLayer._fields)
-            biases = (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias)
-            total += sum(_nbytes(b) for b in biases if b is not None)
-        return total
+        projections, head = self._held()
+        biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias,
+                                                       layer.down_bias) if b is not None]  # fmt: skip
+        return sum(_nbytes(w) for w in [*projections, head, *biases])
 
     def describe_weights(self) -> str:
-        """The weights as held, for logs, e.g. "gguf Q4_1 (+Q8_0 head), 96 MB per step"."""
-        projections = [getattr(layer.packed or layer, n) for layer in self.layers
-                       for n in _PackedLayer._fields]  # fmt: skip
-        head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head
-        formats = [w.fmt for w in [*projections, head] if isinstance(w, QuantPacked)]
+        """The weights as held, for logs, e.g. "gguf Q4_1 (+Q8_0 head), 96.4 MB per step"."""
+        projections, head = self._held()
         by_kind: dict[str, int] = {}
         for w in projections:
             by_kind[_kind(w)] = by_kind.get(_kind(w), 0) + _nbytes(w)
         kinds = "+".join(sorted(by_kind, key=by_kind.__getitem__, reverse=True))
-        gguf = any(f.value != "int8" for f in formats)  # int8 or fp32 say so themselves
-        return (f"{'gguf ' * gguf}{kinds} (+{_kind(head)} head), "
-                f"{self.weight_bytes() / 1e6:.3g} MB per step")
+        gguf = any(w.fmt.value != "int8" for w in self.quantized.values())  # int8, fp32 say so
+        return f"{'gguf ' * gguf}{kinds} (+{_kind(head)} head), {self.weight_bytes() / 1e6:.3g} MB per step"
 
     @property
     def cpu_kernels(self) -> list[str]:
         """The C kernels the forward pass uses."""
-        return ["packed GEMM"] * (self.packed_lm_head is not None) + ["fused ops"] * self.fused_ops
+        projections, head = self._held()
+        packed = any(isinstance(w, PackedWeight) for w in [*projections, head])
+        return (["packed GEMM"] * packed + ["quantised GEMM"] * bool(self.quantized)
+                + ["fused ops"] * self.fused_ops)
 
     @torch.inference_mode()
     def forward(
