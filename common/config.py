@@ -19,6 +19,12 @@ _SIZE_UNITS = {
 }  # fmt: skip
 
 
+QUANTIZATION_MODES = ("auto", "none", "gguf", "int8")
+# What --quantization auto means for a .gguf model (any other model: none). One constant,
+# to be set by measurement: the fastest mode whose greedy output equals HF on its weights.
+QUANTIZATION_AUTO_FOR_GGUF = "gguf"
+
+
 def parse_size(text: str) -> int:
     """``"2GiB"`` → 2147483648; plain integers are bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
@@ -47,6 +53,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     served_name: str | None = None  # name reported to clients; None = derived from the path
     device: str = "auto"  # auto = cuda when available, else cpu
+    # weights: none = float (a GGUF dequantised), gguf = the GGUF's own quantised blocks,
+    # int8 = per-row int8 made at load; auto = QUANTIZATION_AUTO_FOR_GGUF for a .gguf, else none
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -55,6 +64,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be {', '.join(QUANTIZATION_MODES[:-1])} or "
+                             f"{QUANTIZATION_MODES[-1]}, got {self.quantization!r}")
 
 
 @dataclass(frozen=True, slots=True)

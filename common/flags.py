@@ -18,6 +18,8 @@ import os
 from typing import Any
 
 from common.config import (
+    QUANTIZATION_AUTO_FOR_GGUF,
+    QUANTIZATION_MODES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -76,6 +78,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
                    choices=["auto", "float32", "bfloat16", "float16"])
     add("--device", default=env("device", default_of(m, "device")),
                    choices=["auto", "cpu", "cuda"])
+    add("--quantization", default=env("quantization", default_of(m, "quantization")),
+                   choices=list(QUANTIZATION_MODES),
+                   help="weights: none (float), gguf (the .gguf file's own quantised blocks), "
+                        f"int8 (per-row int8 made at load); auto: {QUANTIZATION_AUTO_FOR_GGUF} for a "
+                        ".gguf model, else none")
     add("--max-model-len", type=int, default=env("max_model_len", default_of(m, "max_model_len"), int))
     add("--block-size", type=int, default=env("block_size", default_of(c, "block_size"), int))
     add("--kv-cache-memory", default=env("kv_cache_memory", str(default_of(c, "memory_bytes"))),
@@ -105,7 +112,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Build the engine settings; raises ValueError with a one-line reason."""
     return EngineConfig(
         model=ModelConfig(path=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          served_name=args.served_model_name, device=args.device),
+                          served_name=args.served_model_name, device=args.device,
+                          quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, memory_bytes=parse_size(args.kv_cache_memory),
                           num_blocks=args.num_kv_blocks,
                           enable_prefix_caching=args.enable_prefix_caching,

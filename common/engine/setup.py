@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from common.config import EngineConfig, ModelConfig
+from common.model import quantization
 from common.model.llama import LlamaModel
-from common.model.loader import load_weights, resolve_model
+from common.model.loader import resolve_model
 from common.model.spec import ModelSpec, UnsupportedModelError
 from common.model.tokenizer import Tokenizer
 from kernels.attention import AttentionBackend, select_backend
@@ -76,9 +77,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg.dtype, device)
     max_len = _max_model_len(spec, cfg.max_model_len)
+    mode = quantization.resolve_mode(cfg.quantization, source, device, dtype)
     model = LlamaModel(spec, max_len, dtype, device)
-    load_weights(model, source.directory)
+    quantization.load(model, source, mode)
     model.use_cpu_kernels()
+    log.info("weights: %s", model.describe_weights())
     return LoadedModel(cfg.served_name or source.name, spec, model.eval(),
                        Tokenizer.maybe_load(source.directory), dtype, select_backend(device), max_len)
 

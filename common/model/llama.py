@@ -8,6 +8,10 @@ CPU in float32 ``use_cpu_kernels()`` repacks every projection once for our GEMM 
 (``kernels/cpu/packed_gemm.c``: 1.1-1.9x MKL here, most at decode batch sizes), frees the
 originals, and fuses the elementwise steps (``kernels/cpu/fused_ops.c``: residual add +
 RMSNorm, RoPE, SiLU x up) into one pass each.
+
+Weights may also be held quantised (``quantize``, called by the loader in the gguf and
+int8 modes, see ``common.model.quantization``): those run through ``kernels.cpu_quant``,
+a quantised embedding is looked up there too, and a tied LM head shares its packed form.
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from common.model.spec import ModelSpec
-from kernels import cpu_gemm, cpu_ops
+from kernels import cpu_gemm, cpu_ops, cpu_quant
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.cpu_gemm import PackedWeight
+from kernels.cpu_quant import QuantPacked
+from kernels.quant_formats import QuantWeight
+
+Weight = torch.Tensor | PackedWeight | QuantPacked  # a projection as the forward pass holds it
 
 # Below this many rows, MKL computes ``weight @ x.T`` faster than ``x @ weight.T`` on this
 # class of CPU (measured: 1.5-2.5x at 2-4 rows, 1.2x at 64 with 2 threads, even at 256),
@@ -33,11 +41,12 @@ from kernels.cpu_gemm import PackedWeight
 SMALL_BATCH_ROWS = 256
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, K], weight: [N, K] (or its packed form) → [T, N]."""
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, K], weight: [N, K] (or its packed or quantised form) → [T, N]."""
     if isinstance(weight, PackedWeight):
         return cpu_gemm.linear(x, weight, bias)
+    if isinstance(weight, QuantPacked):
+        return cpu_quant.linear(x if x.is_contiguous() else x.contiguous(), weight, bias)
     rows = x.shape[0]
     if x.device.type != "cpu" or rows > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
@@ -109,35 +118,88 @@ class LlamaModel(torch.nn.Module):
         self.register_buffer("rope_sin", torch.cat((-sin, sin), -1).to(device=device, dtype=dtype),
                              persistent=False)
         self.scale = s.head_dim**-0.5
-        self.packed_lm_head: PackedWeight | None = None
+        self.packed_lm_head: PackedWeight | QuantPacked | None = None
+        self.quantized: dict[str, QuantPacked] = {}  # see quantize
         self.fused_ops = False  # see use_cpu_kernels
 
+    def quantize(self, weights: Mapping[str, QuantWeight]) -> None:
+        """Hold these weights quantised, by parameter name (``embed``, ``lm_head`` when
+        untied, ``layers.N.{qkv,o,gate_up,down}``), freeing their float copies; a tied LM
+        head shares the quantised embedding. Call before ``use_cpu_kernels``."""
+        for name, w in weights.items():
+            param = self.get_parameter(name)
+            if name == "lm_head" and param is self.embed:
+                raise ValueError("a tied LM head is the embedding: quantise embed")
+            if (w.n, w.k) != tuple(param.shape):
+                raise ValueError(f"{name}: quantised [{w.n}, {w.k}], expected {tuple(param.shape)}")
+            self.quantized[name] = cpu_quant.pack(w)
+            param.data = torch.empty(0)
+        if self.lm_head is self.embed and "embed" in self.quantized:
+            self.quantized["lm_head"] = self.quantized["embed"]
+
     def use_cpu_kernels(self) -> list[str]:
-        """On a CPU in float32, with the C kernels built: repack every projection and the
-        LM head for the GEMM kernel, freeing the originals (the embedding stays: a tied
+        """On a CPU in float32, with the C kernels built: repack every float projection and
+        the LM head for the GEMM kernel, freeing the originals (the embedding stays: a tied
         LM head packs a copy), and run the elementwise steps fused. Returns what it
         enabled, for the log."""
         if self.embed.device.type != "cpu" or self.embed.dtype != torch.float32:
             return []
         if self.packed_lm_head is None and cpu_gemm.available():
-            names = _PackedLayer._fields
-            packed = cpu_gemm.pack_all([getattr(layer, n) for layer in self.layers for n in names]
-                                       + [self.lm_head])  # fmt: skip
-            for i, layer in enumerate(self.layers):
-                layer.packed = _PackedLayer(*packed[i * len(names) : (i + 1) * len(names)])
-                for name in names:
-                    getattr(layer, name).data = torch.empty(0)
-            self.packed_lm_head = packed[-1]
-            if self.lm_head is not self.embed:
-                self.lm_head.data = torch.empty(0)
-        # the fused ops want contiguous rows, which the packed GEMM's outputs are
+            self._pack()
+        elif self.packed_lm_head is None and self.quantized:
+            raise RuntimeError(f"quantised weights need the CPU GEMM kernel for the float ones: "
+                               f"{cpu_gemm.unavailable_reason()}")
+        # the fused ops want contiguous rows, which both kernels' outputs are
         self.fused_ops = self.packed_lm_head is not None and cpu_ops.available()
         return self.cpu_kernels
+
+    def _pack(self) -> None:
+        names = _PackedLayer._fields
+        slots = [f"layers.{i}.{n}" for i in range(len(self.layers)) for n in names] + ["lm_head"]
+        floats = [slot for slot in slots if slot not in self.quantized]
+        packed: dict[str, Weight] = dict(self.quantized)
+        if floats:
+            packed.update(zip(floats, cpu_gemm.pack_all([self.get_parameter(f) for f in floats]),
+                              strict=True))  # fmt: skip
+        for i, layer in enumerate(self.layers):
+            layer.packed = _PackedLayer(*(packed[f"layers.{i}.{n}"] for n in names))
+            for name in names:
+                getattr(layer, name).data = torch.empty(0)
+        self.packed_lm_head = packed["lm_head"]
+        if self.lm_head is not self.embed:
+            self.lm_head.data = torch.empty(0)
+
+    def _held(self) -> tuple[list[Weight], Weight]:
+        """Every projection and the LM head, as the forward pass holds them."""
+        head = self.packed_lm_head if self.packed_lm_head is not None else self.lm_head
+        names = _PackedLayer._fields
+        return [getattr(layer.packed or layer, n) for layer in self.layers for n in names], head
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every projection (with its bias) and the
+        LM head, as held (packed, quantised); the embedding lookup is not counted."""
+        projections, head = self._held()
+        biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias,
+                                                       layer.down_bias) if b is not None]  # fmt: skip
+        return sum(_nbytes(w) for w in [*projections, head, *biases])
+
+    def describe_weights(self) -> str:
+        """The weights as held, for logs, e.g. "gguf Q4_1 (+Q8_0 head), 96.4 MB per step"."""
+        projections, head = self._held()
+        by_kind: dict[str, int] = {}
+        for w in projections:
+            by_kind[_kind(w)] = by_kind.get(_kind(w), 0) + _nbytes(w)
+        kinds = "+".join(sorted(by_kind, key=by_kind.__getitem__, reverse=True))
+        gguf = any(w.fmt.value != "int8" for w in self.quantized.values())  # int8, fp32 say so
+        return f"{'gguf ' * gguf}{kinds} (+{_kind(head)} head), {self.weight_bytes() / 1e6:.3g} MB per step"
 
     @property
     def cpu_kernels(self) -> list[str]:
         """The C kernels the forward pass uses."""
-        return ["packed GEMM"] * (self.packed_lm_head is not None) + ["fused ops"] * self.fused_ops
+        projections, head = self._held()
+        packed = any(isinstance(w, PackedWeight) for w in [*projections, head])
+        return (["packed GEMM"] * packed + ["quantised GEMM"] * bool(self.quantized)
+                + ["fused ops"] * self.fused_ops)
 
     @torch.inference_mode()
     def forward(
@@ -148,7 +210,8 @@ class LlamaModel(torch.nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
-        x = F.embedding(input_ids, self.embed)
+        q = self.quantized.get("embed")
+        x = F.embedding(input_ids, self.embed) if q is None else cpu_quant.embedding(q, input_ids)
         if self.fused_ops:
             delta = None  # each layer's output, added into x by the next
             positions = positions.contiguous()
@@ -219,7 +282,22 @@ class _Layer(torch.nn.Module):
 
 
 class _PackedLayer(NamedTuple):
-    qkv: PackedWeight
-    o: PackedWeight
-    gate_up: PackedWeight
-    down: PackedWeight
+    qkv: PackedWeight | QuantPacked
+    o: PackedWeight | QuantPacked
+    gate_up: PackedWeight | QuantPacked
+    down: PackedWeight | QuantPacked
+
+
+def _nbytes(w: Weight) -> int:
+    if isinstance(w, QuantPacked):
+        return w.nbytes
+    data = w.data if isinstance(w, PackedWeight) else w
+    return data.numel() * data.element_size()
+
+
+def _kind(w: Weight) -> str:
+    """A weight's number format: Q4_1, int8, fp32, ..."""
+    if isinstance(w, QuantPacked):
+        return "int8" if w.fmt.value == "int8" else w.fmt.name
+    dtype = w.data.dtype if isinstance(w, PackedWeight) else w.dtype
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ class ModelNotFoundError(FileNotFoundError):
 class ModelSource:
     directory: Path  # an HF directory (converted when the input was GGUF)
     name: str  # what clients call the model
+    gguf: Path | None = None  # the original .gguf file, whose quantised blocks gguf mode keeps
 
     def hf_config(self) -> dict:
         return json.loads((self.directory / "config.json").read_text())
@@ -59,10 +61,11 @@ def default_gguf_path() -> Path:
 def resolve_model(path: str | None) -> ModelSource:
     """Turn a ``--model`` value into an HF directory, converting GGUF files on first use."""
     if path is None:
-        return ModelSource(_convert_gguf(default_gguf_path()), DEFAULT_MODEL_NAME)
+        gguf = default_gguf_path()
+        return ModelSource(_convert_gguf(gguf), DEFAULT_MODEL_NAME, gguf)
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return ModelSource(_convert_gguf(p), p.stem.split(".")[0])
+        return ModelSource(_convert_gguf(p), p.stem.split(".")[0], p)
     if p.is_dir() and (p / "config.json").is_file():
         return ModelSource(p, p.name)
     if p.is_dir():
@@ -70,27 +73,35 @@ def resolve_model(path: str | None) -> ModelSource:
     raise ModelNotFoundError(f"model path {p} does not exist (give an HF directory or a .gguf file)")
 
 
-def load_weights(model: LlamaModel, directory: Path) -> None:
-    """Copy the safetensors weights of ``directory`` into ``model``'s fused parameters."""
+def load_weights(model: LlamaModel, directory: Path, skip: Collection[str] = ()) -> None:
+    """Copy the safetensors weights of ``directory`` into ``model``'s fused parameters.
+
+    A fused parameter all of whose checkpoint tensors are in ``skip`` is left unwritten
+    (the caller provides it otherwise, e.g. quantised); tensors are read one at a time,
+    so skipped ones never occupy memory."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no .safetensors files in {directory}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[key] = st.get_tensor(key)
-    _assign(model, tensors)
+    with contextlib.ExitStack() as stack:
+        tensors = {}  # checkpoint name -> the open file that holds it
+        for f in files:
+            st = stack.enter_context(safe_open(str(f), framework="pt"))
+            tensors.update(dict.fromkeys(st.keys(), st))
+        _assign(model, tensors, frozenset(skip))
 
 
-def _assign(model: LlamaModel, t: dict[str, torch.Tensor]) -> None:
+def _assign(model: LlamaModel, t: dict, skip: frozenset[str]) -> None:
     def take(name: str) -> torch.Tensor:
         if name not in t:
             raise ValueError(f"weight {name} missing from the checkpoint")
-        return t.pop(name)
+        return t.pop(name).get_tensor(name)
 
     def put(param: torch.Tensor | None, *names: str) -> None:
         if param is None:
+            return
+        if skip.issuperset(names):
+            for n in names:
+                t.pop(n, None)
             return
         value = torch.cat([take(n) for n in names], dim=0)
         if value.shape != param.shape:
