@@ -5,15 +5,14 @@ and the portable C one (``set_portable(True)``)."""
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterator
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+from common.model.gguf_file import read_gguf
 from common.model.loader import ModelNotFoundError, default_gguf_path
 from kernels import cpu_quant
 from kernels.quant_formats import QuantFormat, QuantWeight, quantize_int8_rows
@@ -33,72 +32,22 @@ def _needs_kernel() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def gguf_tensors(path: Path) -> tuple[np.ndarray, dict[str, tuple[list[int], int, int]]]:
-    """The file's bytes and {name: (shape, ggml type, absolute offset)}, from its header.
-    (gguf.GGUFReader builds numpy views of all 98k tokenizer strings first: 10-30 s here.)"""
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    raw = memoryview(buf)
-    pos, alignment = 24, 32
-    n_tensors, n_kv = struct.unpack_from("<QQ", raw, 8)
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", raw, pos)
-        pos += 8 + n
-        return bytes(raw[pos - n : pos]).decode()
-
-    def skip(vtype: int) -> None:
-        nonlocal pos
-        if vtype == 8:
-            string()
-        elif vtype == 9:
-            etype, count = struct.unpack_from("<IQ", raw, pos)
-            pos += 12
-            if etype in _SCALAR_SIZES:
-                pos += count * _SCALAR_SIZES[etype]
-            else:
-                for _ in range(count):
-                    skip(etype)
-        else:
-            pos += _SCALAR_SIZES[vtype]
-
-    for _ in range(n_kv):
-        key = string()
-        (vtype,) = struct.unpack_from("<I", raw, pos)
-        pos += 4
-        if key == "general.alignment":
-            (alignment,) = struct.unpack_from("<I", raw, pos)
-        skip(vtype)
-    infos = {}
-    for _ in range(n_tensors):
-        name = string()
-        (n_dims,) = struct.unpack_from("<I", raw, pos)
-        shape = list(struct.unpack_from(f"<{n_dims}Q", raw, pos + 4))
-        ttype, offset = struct.unpack_from("<IQ", raw, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        infos[name] = shape, ttype, offset
-    start = -(-pos // alignment) * alignment
-    return buf, {name: (shape, t, start + off) for name, (shape, t, off) in infos.items()}
-
-
 @pytest.fixture(scope="module")
 def real_tensors() -> dict[str, tuple[QuantWeight, torch.Tensor]]:
     """A few rows of the default model's own tensors (embedding Q8_0, layer 0 Q4_1) as
     QuantWeights, with gguf's dequantisation of them."""
     try:
-        buf, infos = gguf_tensors(default_gguf_path())
+        file = read_gguf(default_gguf_path())
     except ModelNotFoundError as exc:
         pytest.skip(str(exc))
     out = {}
     for name, rows in (("token_embd.weight", [0, 1, 2, 9000, 49151]),
                        ("blk.0.attn_k.weight", range(192)), ("blk.0.ffn_down.weight", range(0, 576, 7))):
-        (k, n), ttype, offset = infos[name]
+        info = file.tensors[name]
+        (k, n), ttype = info.shape, info.ggml_type
         fmt = QuantFormat.from_ggml_type(ttype)
         row_bytes = fmt.row_bytes(k)
-        data = torch.from_numpy(np.array(buf[offset : offset + n * row_bytes].reshape(n, row_bytes)[list(rows)]))
+        data = torch.from_numpy(np.array(file.tensor_bytes(name, n * row_bytes).reshape(n, row_bytes)[list(rows)]))
         out[name] = QuantWeight(fmt, len(rows), k, data), torch.from_numpy(
             gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType(ttype)))
     return out

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.model.gguf_file import read_gguf
 from common.model.spec import ModelSpec
 from kernels.quant_formats import QuantFormat, QuantWeight
 
@@ -57,22 +58,30 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 def read_native(path: Path, spec: ModelSpec) -> NativeTensors:
     """The natively runnable tensors of the GGUF at ``path`` (see the module docstring)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
+    file = read_gguf(path)
+    arch = file.architecture
     out = NativeTensors()
-    for t in reader.tensors:
-        name, fmt = hf_name(t.name), QuantFormat.from_ggml_type(int(t.tensor_type))
+    for gguf_name, t in file.tensors.items():
+        name, fmt = hf_name(gguf_name), QuantFormat.from_ggml_type(t.ggml_type)
         if name is None or fmt is None or len(t.shape) != 2:
-            out.others[t.name] = t.tensor_type.name
+            out.others[gguf_name] = _type_name(t.ggml_type)
             continue
-        k, n = (int(d) for d in t.shape)  # GGUF lists dims innermost first
-        data = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(n, -1)
+        k, n = t.shape  # GGUF lists dims innermost first
+        raw = file.tensor_bytes(gguf_name, n * fmt.row_bytes(k))
+        data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).reshape(n, -1)
         w = QuantWeight(fmt, n, k, data)
-        if arch in _PERMUTING_ARCHITECTURES and ".attn_q." in t.name:
+        if arch in _PERMUTING_ARCHITECTURES and ".attn_q." in gguf_name:
             w = w.rows(unpermute_rows(n, spec.num_heads))
-        elif arch in _PERMUTING_ARCHITECTURES and ".attn_k." in t.name:
+        elif arch in _PERMUTING_ARCHITECTURES and ".attn_k." in gguf_name:
             w = w.rows(unpermute_rows(n, spec.num_kv_heads))
         out.quantized[name] = w
     return out
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"

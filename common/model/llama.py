@@ -132,8 +132,12 @@ class LlamaModel(torch.nn.Module):
                 raise ValueError("a tied LM head is the embedding: quantise embed")
             if (w.n, w.k) != tuple(param.shape):
                 raise ValueError(f"{name}: quantised [{w.n}, {w.k}], expected {tuple(param.shape)}")
-            self.quantized[name] = cpu_quant.pack(w)
-            param.data = torch.empty(0)
+        # one arena on huge pages: a decode step streams every weight, and scattered 4 KiB
+        # pages would cost it TLB misses
+        packed = cpu_quant.pack_all(list(weights.values()))
+        for (name, _), p in zip(weights.items(), packed, strict=True):
+            self.quantized[name] = p
+            self.get_parameter(name).data = torch.empty(0)
         if self.lm_head is self.embed and "embed" in self.quantized:
             self.quantized["lm_head"] = self.quantized["embed"]
 
