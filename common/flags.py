@@ -17,7 +17,14 @@ import dataclasses
 import os
 from typing import Any
 
-from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from common.config import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_size,
+)
 
 ENGINE_GROUP = "engine"
 _TRUE = ("1", "true", "yes", "on")
@@ -66,7 +73,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     add("--served-model-name", default=env("served_model_name", default_of(m, "served_name")))
     add("--dtype", default=env("dtype", default_of(m, "dtype")),
-                   choices=["auto", "float32", "bfloat16", "float16"])
+                   choices=list(KV_CACHE_DTYPES),
+                   help="KV-cache element type; int8 / fp8 store one byte per value with "
+                        "per-block, per-head scales (about 4x the tokens of float32)")
     add("--device", default=env("device", default_of(m, "device")),
                    choices=["auto", "cpu", "cuda"])
     add("--max-model-len", type=int, default=env("max_model_len", default_of(m, "max_model_len"), int))
@@ -76,7 +85,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     add("--num-kv-blocks", type=int, default=env("num_kv_blocks", default_of(c, "num_blocks"), int),
                    help="size the KV cache by block count instead of memory")
     add("--kv-cache-dtype", default=env("kv_cache_dtype", default_of(c, "kv_cache_dtype")),
-                   choices=["auto", "float32", "bfloat16", "float16"])
+                   choices=list(KV_CACHE_DTYPES),
+                   help="KV-cache element type; int8 / fp8 store one byte per value with "
+                        "per-block, per-head scales (about 4x the tokens of float32)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env("enable_prefix_caching", default_of(c, "enable_prefix_caching"), bool))
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

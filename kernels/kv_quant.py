@@ -90,6 +90,23 @@ def layer_views(storage: torch.Tensor, block_size: int, kv_heads: int, head_dim:
     return [(view(i, 0), view(i, 1)) for i in range(layers)]
 
 
+class LayerViews:
+    """What the model indexes as ``kv_cache[:, layer, 0 | 1]``: that layer's K or V view.
+
+    The model slices a float cache tensor that way; a quantised cache hands it this
+    instead, so the model code is the same for both and the backend gets codes + scales.
+    """
+
+    def __init__(self, views: list[tuple[QuantizedCache, QuantizedCache]]) -> None:
+        self._views = views
+
+    def __getitem__(self, key: tuple[slice, int, int]) -> QuantizedCache:
+        blocks, layer, kv = key
+        if blocks != slice(None):
+            raise IndexError("a quantised cache is indexed as [:, layer, k_or_v]")
+        return self._views[layer][kv]
+
+
 # ---- element conversions -----------------------------------------------------------
 
 
@@ -183,11 +200,18 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: QuantizedCache,
 
 def paged_decode_attention(q, k_cache: QuantizedCache, v_cache: QuantizedCache,
                            block_tables, context_lens, scale: float) -> torch.Tensor:
-    """``kernels.reference.paged_decode_attention`` over the dequantised cache."""
+    """``kernels.reference.paged_decode_attention`` over the dequantised blocks."""
     from kernels import reference
 
-    return reference.paged_decode_attention(q, _dense(k_cache), _dense(v_cache),
-                                            block_tables, context_lens, scale)
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    for i, n in enumerate(context_lens.tolist()):
+        ids = block_tables[i, : -(-n // block_size)]
+        own = torch.arange(len(ids)).unsqueeze(0)  # the sequence's blocks, renumbered
+        out[i : i + 1] = reference.paged_decode_attention(
+            q[i : i + 1], dequantize_blocks(k_cache, ids), dequantize_blocks(v_cache, ids),
+            own, context_lens[i : i + 1], scale)
+    return out
 
 
 def paged_prefill_attention(q, k_cache: QuantizedCache, v_cache: QuantizedCache, block_tables,
@@ -195,10 +219,7 @@ def paged_prefill_attention(q, k_cache: QuantizedCache, v_cache: QuantizedCache,
     """``kernels.reference.paged_prefill_attention`` over the dequantised cache."""
     from kernels import reference
 
-    return reference.paged_prefill_attention(q, _dense(k_cache), _dense(v_cache), block_tables,
-                                             query_start, context_lens, scale)
-
-
-def _dense(cache: QuantizedCache) -> torch.Tensor:
-    ids = torch.arange(cache.shape[0])
-    return dequantize_blocks(cache, ids)
+    ids = torch.arange(k_cache.shape[0])
+    return reference.paged_prefill_attention(
+        q, dequantize_blocks(k_cache, ids), dequantize_blocks(v_cache, ids), block_tables,
+        query_start, context_lens, scale)
