@@ -158,6 +158,8 @@ def gather_kv(cache: QuantizedCache, block_ids: torch.Tensor, num_tokens: int) -
 def runs(slot_mapping: torch.Tensor, block_size: int) -> list[tuple[int, int]]:
     """[start, stop) of each run of consecutive tokens whose slots share a block."""
     blocks = (slot_mapping.long() // block_size).tolist()
+    if not blocks:
+        return []
     bounds = [0] + [t for t in range(1, len(blocks)) if blocks[t] != blocks[t - 1]]
     return list(zip(bounds, bounds[1:] + [len(blocks)], strict=True))
 
@@ -206,6 +208,9 @@ def paged_decode_attention(q, k_cache: QuantizedCache, v_cache: QuantizedCache,
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     for i, n in enumerate(context_lens.tolist()):
+        if n == 0:  # nothing to attend to: zeros, as the kernels return
+            out[i] = 0.0
+            continue
         ids = block_tables[i, : -(-n // block_size)]
         own = torch.arange(len(ids)).unsqueeze(0)  # the sequence's blocks, renumbered
         out[i : i + 1] = reference.paged_decode_attention(
