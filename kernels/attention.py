@@ -7,8 +7,9 @@ that layout; a backend turns it into kernel calls. ``TritonBackend`` runs on CUD
 
 A quantised cache (``--kv-cache-dtype int8|fp8``) reaches a backend as
 ``kernels.kv_quant.QuantizedCache`` views (codes + scales) instead of float tensors; the
-backends write and read those with the quantised kernels. A prefill chunk without a cached
-prefix attends over its own unquantised K/V, as on a float cache.
+backends write and read those with the quantised kernels. Every attention then reads the
+cache, a prefill chunk's own tokens included (dequantised), so the CPU and Triton paths
+compute the same thing and a prompt's first token does not depend on how it was chunked.
 """
 
 from __future__ import annotations
@@ -105,10 +106,8 @@ class TorchBackend:
         self.name = "torch+c" if self._c_decode else "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if isinstance(k_cache, QuantizedCache):
-            ops = _quantized_ops(k_cache.fmt, self._use_c)
-        else:
-            ops = self._float_ops()
+        quantized = isinstance(k_cache, QuantizedCache)
+        ops = _quantized_ops(k_cache.fmt, self._use_c) if quantized else self._float_ops()
         ops.write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode
@@ -117,7 +116,7 @@ class TorchBackend:
                                   meta.decode_context_lens, scale)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_new)
-            if span.has_prefix:
+            if span.has_prefix or quantized:
                 ids = meta.prefill_block_tables[span.row]
                 ks = ops.gather(k_cache, ids, span.num_context)
                 vs = ops.gather(v_cache, ids, span.num_context)
