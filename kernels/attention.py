@@ -9,7 +9,8 @@ A quantised cache (``--kv-cache-dtype int8|fp8``) reaches a backend as
 ``kernels.kv_quant.QuantizedCache`` views (codes + scales) instead of float tensors; the
 backends write and read those with the quantised kernels. Every attention then reads the
 cache, a prefill chunk's own tokens included (dequantised), so the CPU and Triton paths
-compute the same thing and a prompt's first token does not depend on how it was chunked.
+compute the same thing. (Where chunk boundaries fall inside a block still matters: a block
+filled by two runs has its first rows rounded twice, see ``kernels.kv_quant``.)
 """
 
 from __future__ import annotations
@@ -103,11 +104,13 @@ class TorchBackend:
     def __init__(self, use_c_kernel: bool = True) -> None:
         self._use_c = use_c_kernel
         self._c_decode = _load_c_decode() if use_c_kernel else None
+        self._float = _CacheOps(reference.write_kv, self._c_decode or reference.paged_decode_attention,
+                                reference.gather_kv)
         self.name = "torch+c" if self._c_decode else "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         quantized = isinstance(k_cache, QuantizedCache)
-        ops = _quantized_ops(k_cache.fmt, self._use_c) if quantized else self._float_ops()
+        ops = _quantized_ops(k_cache.fmt, self._use_c) if quantized else self._float
         ops.write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode
@@ -124,10 +127,6 @@ class TorchBackend:
             else:
                 out[rows] = _sdpa(q[rows], k[rows], v[rows], scale, prefix=0)
         return out
-
-    def _float_ops(self) -> _CacheOps:
-        decode = self._c_decode or reference.paged_decode_attention
-        return _CacheOps(reference.write_kv, decode, reference.gather_kv)
 
 
 class TritonBackend:
