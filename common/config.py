@@ -69,6 +69,9 @@ class ModelConfig:
                              f"{QUANTIZATION_MODES[-1]}, got {self.quantization!r}")
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Size and shape of the paged KV cache."""
@@ -77,7 +80,7 @@ class CacheConfig:
     memory_bytes: int = 2 * 1024**3  # used when num_blocks is None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto = the model dtype
+    kv_cache_dtype: str = "auto"  # auto = the model dtype; int8 / fp8 = quantised (kernels.kv_quant)
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -86,8 +89,8 @@ class CacheConfig:
             raise ValueError("kv cache memory must be positive")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, "
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
 
 

@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from common.config import (
+    KV_CACHE_DTYPES,
     QUANTIZATION_AUTO_FOR_GGUF,
     QUANTIZATION_MODES,
     CacheConfig,
@@ -90,7 +91,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     add("--num-kv-blocks", type=int, default=env("num_kv_blocks", default_of(c, "num_blocks"), int),
                    help="size the KV cache by block count instead of memory")
     add("--kv-cache-dtype", default=env("kv_cache_dtype", default_of(c, "kv_cache_dtype")),
-                   choices=["auto", "float32", "bfloat16", "float16"])
+                   choices=list(KV_CACHE_DTYPES),
+                   help="KV-cache element type; int8 / fp8 store one byte per value with "
+                        "per-block, per-head scales (about 4x the tokens of float32)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env("enable_prefix_caching", default_of(c, "enable_prefix_caching"), bool))
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

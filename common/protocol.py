@@ -194,7 +194,10 @@ class Finished(Message):
 
 # ---- prefill -> decode (KV connector control) -----------------------------------------
 
-@message("kv_handoff", version=2)
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8")  # a cache's element types
+
+
+@message("kv_handoff", version=3)
 @dataclass(frozen=True, slots=True)
 class KVHandoff(Message):
     """Header of a KV transfer; ``num_blocks`` raw frames of ``block_nbytes`` follow.
@@ -217,6 +220,7 @@ class KVHandoff(Message):
     num_blocks: int
     block_nbytes: int
     layout: list[int]  # [num_layers, block_size, kv_heads, head_dim, element_size]
+    kv_dtype: str  # what the blocks' bytes are: one of KV_DTYPES
 
     def __post_init__(self) -> None:
         n = len(self.first_tokens)
@@ -233,6 +237,8 @@ class KVHandoff(Message):
         _require(0 <= self.num_cached_tokens <= len(self.prompt_token_ids),
                  "kv_handoff.num_cached_tokens out of range")
         _require(self.block_nbytes >= 1, "kv_handoff.block_nbytes must be positive")
+        _require(self.kv_dtype in KV_DTYPES,
+                 f"kv_handoff.kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
 
 
 @message("kv_ack")

@@ -4,18 +4,28 @@ A step's tokens come back to back: first the sequences with one new token (decod
 prefill chunks of length one), then the prefill chunks. ``AttentionMetadata`` describes
 that layout; a backend turns it into kernel calls. ``TritonBackend`` runs on CUDA,
 ``TorchBackend`` everywhere else (with the fused C decode kernel when it compiled).
+
+A quantised cache (``--kv-cache-dtype int8|fp8``) reaches a backend as
+``kernels.kv_quant.QuantizedCache`` views (codes + scales) instead of float tensors; the
+backends write and read those with the quantised kernels. Every attention then reads the
+cache, a prefill chunk's own tokens included (dequantised), so the CPU and Triton paths
+compute the same thing. (Where chunk boundaries fall inside a block still matters: a block
+filled by two runs has its first rows rounded twice, see ``kernels.kv_quant``.)
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import kv_quant, reference
+from kernels.kv_quant import QuantizedCache
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +64,8 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
-        k_cache: torch.Tensor,  # [NB, BS, KVH, D], written in place
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor | QuantizedCache,  # [NB, BS, KVH, D], written in place
+        v_cache: torch.Tensor | QuantizedCache,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
@@ -63,27 +73,56 @@ class AttentionBackend(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class _CacheOps:
+    """The three cache operations of the CPU path, for one kind of cache."""
+
+    write: Callable  # (k, v, k_cache, v_cache, slot_mapping) -> None
+    decode: Callable  # (q, k_cache, v_cache, block_tables, context_lens, scale) -> out
+    gather: Callable  # (cache, block_ids, num_tokens) -> [num_tokens, KVH, D]
+
+
+@functools.cache
+def _quantized_ops(fmt: kv_quant.KVQuant, use_c: bool) -> _CacheOps:
+    """C kernels where they build (and are wanted), else the torch reference."""
+    from kernels import cpu_attention, cpu_kv_cache
+
+    if not use_c:
+        return _CacheOps(kv_quant.write_kv, kv_quant.paged_decode_attention, kv_quant.gather_kv)
+    c_cache = cpu_kv_cache.available()
+    if not c_cache:
+        log.info("quantised KV-cache C kernels unavailable; using the torch reference")
+    decode = (cpu_attention.paged_decode_attention_quantized if cpu_attention.available(fmt)
+              else kv_quant.paged_decode_attention)
+    return _CacheOps(cpu_kv_cache.write_kv if c_cache else kv_quant.write_kv, decode,
+                     cpu_kv_cache.gather_kv if c_cache else kv_quant.gather_kv)
+
+
 class TorchBackend:
     """CPU path: SDPA for prefill chunks, the fused C kernel (or the reference) for decodes."""
 
     def __init__(self, use_c_kernel: bool = True) -> None:
+        self._use_c = use_c_kernel
         self._c_decode = _load_c_decode() if use_c_kernel else None
+        self._float = _CacheOps(reference.write_kv, self._c_decode or reference.paged_decode_attention,
+                                reference.gather_kv)
         self.name = "torch+c" if self._c_decode else "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        quantized = isinstance(k_cache, QuantizedCache)
+        ops = _quantized_ops(k_cache.fmt, self._use_c) if quantized else self._float
+        ops.write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            decode = self._c_decode or reference.paged_decode_attention
-            out[:nd] = decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                              meta.decode_context_lens, scale)
+            out[:nd] = ops.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                  meta.decode_context_lens, scale)
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_new)
-            if span.has_prefix:
+            if span.has_prefix or quantized:
                 ids = meta.prefill_block_tables[span.row]
-                ks = reference.gather_kv(k_cache, ids, span.num_context)
-                vs = reference.gather_kv(v_cache, ids, span.num_context)
+                ks = ops.gather(k_cache, ids, span.num_context)
+                vs = ops.gather(v_cache, ids, span.num_context)
                 out[rows] = _sdpa(q[rows], ks, vs, scale, prefix=span.num_context - span.num_new)
             else:
                 out[rows] = _sdpa(q[rows], k[rows], v[rows], scale, prefix=0)

@@ -5,7 +5,9 @@ dtype, about a second each; the compile-and-cache mechanism, its cache dir and b
 are ``kernels.cpu_build``'s), loading it with ctypes, and the checked Python entry point
 ``paged_decode_attention``, whose semantics are those of
 ``kernels.reference.paged_decode_attention`` for a float32 query and a float32, float16
-or bfloat16 cache. ``available()`` says whether the kernel could be built here; when it
+or bfloat16 cache, and ``paged_decode_attention_quantized``, those of
+``kernels.kv_quant.paged_decode_attention`` for an int8 / fp8 cache (codes read and scaled
+in registers). ``available()`` says whether the kernel could be built here; when it
 cannot, callers use the torch path.
 """
 
@@ -19,10 +21,12 @@ import torch  # must be loaded before the kernel library, see kernels.cpu_build
 
 from kernels import cpu_build
 from kernels.cpu_build import CFLAGS, LIBS, build_key, cache_dir, openmp_runtimes
+from kernels.kv_quant import KVQuant, QuantizedCache
 
 __all__ = [
     "CFLAGS", "LIBS", "SOURCE", "available", "bind", "build_flags", "build_key", "cache_dir",
-    "library_path", "openmp_runtimes", "paged_decode_attention", "unavailable_reason",
+    "library_path", "openmp_runtimes", "paged_decode_attention",
+    "paged_decode_attention_quantized", "unavailable_reason",
 ]  # fmt: skip
 
 SOURCE = Path(__file__).parent / "cpu" / "paged_attention.c"
@@ -30,6 +34,9 @@ SOURCE = Path(__file__).parent / "cpu" / "paged_attention.c"
 # Cache element type -> (suffix of the C entry point, -DPA_DTYPE code). Each type is a
 # separate build (about a second of gcc), made the first time a cache of that type is seen.
 _DTYPES = {torch.float32: ("f32", 0), torch.float16: ("f16", 1), torch.bfloat16: ("bf16", 2)}
+# Quantised caches are variants too, keyed by their format.
+_VARIANTS: dict[torch.dtype | KVQuant, tuple[str, int]] = {
+    **_DTYPES, KVQuant.INT8: ("i8", 3), KVQuant.FP8: ("fp8", 4)}
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGTYPES = [
     _ptr, _ptr, _ptr,  # q, k_cache, v_cache
@@ -38,28 +45,30 @@ _ARGTYPES = [
     _i32, _i32, _i32, _i32, _i32,  # B, H, KVH, D, block_size
     ctypes.c_float, _ptr, _i32,  # scale, out, num_threads
 ]  # fmt: skip
+_QUANT_ARGTYPES = [*_ARGTYPES, _ptr, _ptr, _i64, _i64]  # k/v scales, their block strides
 
 
 
-def build_flags(dtype: torch.dtype) -> tuple[str, ...]:
-    return (*CFLAGS, f"-DPA_DTYPE={_DTYPES[dtype][1]}")
+def build_flags(dtype: torch.dtype | KVQuant) -> tuple[str, ...]:
+    return (*CFLAGS, f"-DPA_DTYPE={_VARIANTS[dtype][1]}")
 
 
-def library_path(dtype: torch.dtype = torch.float32) -> Path:
+def library_path(dtype: torch.dtype | KVQuant = torch.float32) -> Path:
     """The build for this source, compiler, CPU and cache dtype (compiled if absent)."""
     return cpu_build.library_path(
-        SOURCE, f"paged_attention-{_DTYPES[dtype][0]}", build_flags(dtype)
+        SOURCE, f"paged_attention-{_VARIANTS[dtype][0]}", build_flags(dtype)
     )
 
 
-def bind(lib: ctypes.CDLL, dtype: torch.dtype) -> ctypes._CFuncPtr:
+def bind(lib: ctypes.CDLL, dtype: torch.dtype | KVQuant) -> ctypes._CFuncPtr:
     """The entry point of ``lib`` for caches of ``dtype``, with its C signature set."""
-    fn = getattr(lib, f"paged_decode_attention_{_DTYPES[dtype][0]}")
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    fn = getattr(lib, f"paged_decode_attention_{_VARIANTS[dtype][0]}")
+    fn.argtypes = _QUANT_ARGTYPES if isinstance(dtype, KVQuant) else _ARGTYPES
+    fn.restype = ctypes.c_int
     return fn
 
 
-def _open(dtype: torch.dtype) -> ctypes._CFuncPtr:
+def _open(dtype: torch.dtype | KVQuant) -> ctypes._CFuncPtr:
     return bind(cpu_build.load(library_path(dtype), "CPU attention kernel"), dtype)
 
 
@@ -71,17 +80,17 @@ def forget_builds() -> None:
     """Forget what was built or loaded, as in a new process (tests of the build path)."""
     _loader.reset()
 
-def available(cache_dtype: torch.dtype = torch.float32) -> bool:
+def available(cache_dtype: torch.dtype | KVQuant = torch.float32) -> bool:
     """Whether the kernel for caches of ``cache_dtype`` could be built and loaded.
 
     Compiles on the first call for each dtype (about a second), then answers from memory.
     """
-    return cache_dtype in _DTYPES and _loader.get(cache_dtype) is not None
+    return cache_dtype in _VARIANTS and _loader.get(cache_dtype) is not None
 
 
-def unavailable_reason(cache_dtype: torch.dtype = torch.float32) -> str | None:
+def unavailable_reason(cache_dtype: torch.dtype | KVQuant = torch.float32) -> str | None:
     """Why ``available(cache_dtype)`` is False, else None."""
-    if cache_dtype not in _DTYPES:
+    if cache_dtype not in _VARIANTS:
         return f"no kernel for {cache_dtype} caches"
     return _loader.reason(cache_dtype)
 
@@ -182,3 +191,61 @@ def paged_decode_attention(
     if rc != 0:
         _raise_for(rc, batch, max_blocks * block_size, num_blocks)
     return out
+
+
+def paged_decode_attention_quantized(
+    q: torch.Tensor,  # [B, H, D] float32, contiguous
+    k_cache: QuantizedCache,  # codes [NB, BS, KVH, D] uint8, scales [NB, KVH] fp32
+    v_cache: QuantizedCache,
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    context_lens: torch.Tensor,  # [B] int
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:  # [B, H, D] float32
+    """Fused ``kernels.kv_quant.paged_decode_attention``: codes dequantised in registers."""
+    k, v = k_cache.codes, v_cache.codes
+    _check_quantized(q, k_cache, v_cache)
+    fn = _loader.require(k_cache.fmt)
+    block_tables = _as_int32_rows(block_tables, "block_tables", 2)
+    context_lens = _as_int32_rows(context_lens, "context_lens", 1)
+    batch, heads, dim = q.shape
+    num_blocks, block_size, kvh, _ = k.shape
+    if block_tables.shape[0] != batch or context_lens.shape[0] != batch:
+        raise ValueError(f"block_tables and context_lens must have {batch} rows")
+    out = _check_out(out, q)
+    max_blocks = block_tables.shape[1]
+    rc = fn(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kvh * dim, dim,
+        num_blocks, block_tables.data_ptr(), block_tables.stride(0), max_blocks,
+        context_lens.data_ptr(), batch, heads, kvh, dim, block_size,
+        scale, out.data_ptr(), num_threads or torch.get_num_threads(),
+        k_cache.scales.data_ptr(), v_cache.scales.data_ptr(),
+        k_cache.scales.stride(0), v_cache.scales.stride(0),
+    )  # fmt: skip
+    if rc != 0:
+        _raise_for(rc, batch, max_blocks * block_size, num_blocks)
+    return out
+
+
+def _check_quantized(q: torch.Tensor, k_cache: QuantizedCache, v_cache: QuantizedCache) -> None:
+    k = k_cache.codes
+    if v_cache.fmt is not k_cache.fmt or v_cache.codes.shape != k.shape:
+        raise ValueError("k and v caches must share one format and shape")
+    if q.dim() != 3 or k.dim() != 4 or q.shape[2] != k.shape[3]:
+        raise ValueError(f"want q [B,H,D] and codes [NB,BS,KVH,D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
+    num_blocks, _, kvh, dim = k.shape
+    if kvh == 0 or q.shape[1] % kvh:
+        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {kvh} kv heads")
+    if q.dtype is not torch.float32 or not q.is_contiguous() or not q.is_cpu:
+        raise ValueError("q must be a contiguous float32 CPU tensor")
+    for c in (k_cache, v_cache):
+        if c.codes.dtype is not torch.uint8 or c.scales.dtype is not torch.float32:
+            raise ValueError("want uint8 codes and float32 scales")
+        if not c.codes.is_cpu or not c.scales.is_cpu:
+            raise ValueError("the CPU kernel takes CPU tensors only")
+        if not _inner_contiguous(k.shape[1:], c.codes.stride()[1:], (kvh * dim, dim, 1)):
+            raise ValueError("codes' [block_size, kv_heads, head_dim] must be contiguous")
+        if c.scales.shape != (num_blocks, kvh) or c.scales.stride(1) != 1:
+            raise ValueError(f"scales must be [{num_blocks}, {kvh}], kv heads contiguous")

@@ -13,14 +13,24 @@ head_dim]`` tensor. Both attention kernels walk keys in tiles of ``BLOCK_N`` pos
 may span several cache blocks, so ``tl.dot`` always gets >= 16 keys whatever the block size,
 and use an fp32 online softmax.
 
+A quantised cache (``kernels.kv_quant.QuantizedCache``: uint8 codes + per block, per kv
+head fp32 scales) is accepted wherever a cache is: the attention kernels widen its codes
+in registers (int8 as integers, fp8 through ``tl.float8e4nv``), multiply by the key's
+block scale and continue in the query's dtype; ``write_kv`` hands it to
+``kernels.triton_kv_quant``.
+
 Importing this module compiles and launches nothing, so it is safe without a GPU.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_quant import KVQuant, QuantizedCache
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16  # every tl.dot dimension must be >= 16 on GPU
@@ -45,6 +55,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def decode_codes(c, QUANT: tl.constexpr):
+    """uint8 cache codes -> fp32 values before scaling (QUANT: 1 int8, 2 fp8 e4m3)."""
+    if QUANT == 1:
+        return c.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        return c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _attend_rows(
     q,  # [BLOCK_M, BLOCK_D], cache dtype
     q_pos,  # [BLOCK_M] int: row r sees key positions 0..q_pos[r]
@@ -57,11 +76,15 @@ def _attend_rows(
     block_size,
     token_stride,  # num_kv_heads * head_dim
     qk_scale,  # softmax scale * log2(e): exp2 is cheaper than exp
+    ks_ptr,  # quantised caches: K scales, already offset to this kv head (else unused)
+    vs_ptr,
+    stride_sblock,  # elements between two blocks' scales
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    QUANT: tl.constexpr,  # 0 float cache, 1 int8 codes, 2 fp8 codes
 ):
     """Online-softmax attention of a row tile over one sequence's paged keys.
 
@@ -81,8 +104,14 @@ def _attend_rows(
         kv_off = block.to(tl.int64) * stride_block + (pos % block_size) * token_stride
         kv_mask = in_ctx[:, None] & d_mask[None, :]
         kv_ptrs = kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-        k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + kv_ptrs, mask=kv_mask, other=0)
+        v = tl.load(v_ptr + kv_ptrs, mask=kv_mask, other=0)
+        if QUANT != 0:  # dequantise in registers: codes * their block's scale
+            s_off = block.to(tl.int64) * stride_sblock
+            ks = tl.load(ks_ptr + s_off, mask=in_ctx, other=0.0)
+            vs = tl.load(vs_ptr + s_off, mask=in_ctx, other=0.0)
+            k = (decode_codes(k, QUANT) * ks[:, None]).to(q.dtype)
+            v = (decode_codes(v, QUANT) * vs[:, None]).to(q.dtype)
 
         s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
@@ -157,6 +186,10 @@ def write_kv(
 
     Slots must lie in ``[0, NB * BS)``; they are not range-checked on the device.
     """
+    if isinstance(k_cache, QuantizedCache):
+        from kernels import triton_kv_quant
+
+        return triton_kv_quant.write_kv(key, value, k_cache, v_cache, slot_mapping)
     _check_cache(k_cache, v_cache)
     _check_index("slot_mapping", slot_mapping, 1)
     _, _, num_kv_heads, head_dim = k_cache.shape
@@ -208,12 +241,16 @@ def _decode_kernel(
     block_size,
     num_kv_heads,
     qk_scale,
+    ks_ptr,
+    vs_ptr,
+    stride_sblock,
     GROUP: tl.constexpr,  # query heads per kv head
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -238,11 +275,15 @@ def _decode_kernel(
         block_size,
         num_kv_heads * HEAD_DIM,
         qk_scale,
+        ks_ptr + kv_head,
+        vs_ptr + kv_head,
+        stride_sblock,
         HEAD_DIM,
         BLOCK_G,
         BLOCK_N,
         BLOCK_D,
         IEEE,
+        QUANT,
     )
     out = _normalise(acc, l_i)
     o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -258,7 +299,9 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
     """Each query attends to every cached position of its sequence."""
-    group = _check_attention(q, k_cache, v_cache)
+    c = _cache_args(q, k_cache, v_cache)
+    k_cache, v_cache = c.k, c.v
+    group = _check_attention(q, k_cache, v_cache, quantized=c.quant != 0)
     num_seqs = q.shape[0]
     _check_index("block_tables", block_tables, 2, num_seqs)
     _check_index("context_lens", context_lens, 1, num_seqs)
@@ -284,12 +327,16 @@ def paged_decode_attention(
         k_cache.shape[1],
         num_kv_heads,
         float(scale) * _LOG2E,
+        c.k_scales,
+        c.v_scales,
+        c.scale_stride,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_N=_block_n(q.dtype),
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
         IEEE=q.dtype == torch.float32,
+        QUANT=c.quant,
     )
     return out
 
@@ -335,6 +382,9 @@ def _prefill_kernel(
     num_seqs,
     num_kv_heads,
     qk_scale,
+    ks_ptr,
+    vs_ptr,
+    stride_sblock,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows: BLOCK_Q tokens x GROUP heads, padded
@@ -342,6 +392,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -380,11 +431,15 @@ def _prefill_kernel(
         block_size,
         num_kv_heads * HEAD_DIM,
         qk_scale,
+        ks_ptr + kv_head,
+        vs_ptr + kv_head,
+        stride_sblock,
         HEAD_DIM,
         BLOCK_M,
         BLOCK_N,
         BLOCK_D,
         IEEE,
+        QUANT,
     )
     out = _normalise(acc, l_i)
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -405,7 +460,9 @@ def paged_prefill_attention(
     The new tokens are the last ``q_len`` positions of the context, so a query at
     position p sees keys 0..p: the cached prefix and the new tokens up to itself.
     """
-    group = _check_attention(q, k_cache, v_cache)
+    c = _cache_args(q, k_cache, v_cache)
+    k_cache, v_cache = c.k, c.v
+    group = _check_attention(q, k_cache, v_cache, quantized=c.quant != 0)
     _check_index("context_lens", context_lens, 1)
     num_seqs = context_lens.shape[0]
     _check_index("block_tables", block_tables, 2, num_seqs)
@@ -439,6 +496,9 @@ def paged_prefill_attention(
         num_seqs,
         num_kv_heads,
         float(scale) * _LOG2E,
+        c.k_scales,
+        c.v_scales,
+        c.scale_stride,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
@@ -446,6 +506,7 @@ def paged_prefill_attention(
         BLOCK_N=_block_n(q.dtype),
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
         IEEE=q.dtype == torch.float32,
+        QUANT=c.quant,
     )
     return out
 
@@ -459,7 +520,35 @@ def _block_n(dtype: torch.dtype) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+class _CacheArgs(NamedTuple):
+    k: torch.Tensor  # the cache tensors the kernels index (codes for a quantised cache)
+    v: torch.Tensor
+    k_scales: torch.Tensor  # [NB, KVH] fp32; the K cache itself when unquantised (unread)
+    v_scales: torch.Tensor
+    scale_stride: int
+    quant: int  # the kernels' QUANT: 0 float, 1 int8, 2 fp8
+
+
+_QUANT_CODE = {KVQuant.INT8: 1, KVQuant.FP8: 2}
+
+
+def _cache_args(q: torch.Tensor, k_cache, v_cache) -> _CacheArgs:
+    if not isinstance(k_cache, QuantizedCache):
+        return _CacheArgs(k_cache, v_cache, k_cache, v_cache, 0, 0)
+    if not isinstance(v_cache, QuantizedCache) or v_cache.fmt is not k_cache.fmt:
+        raise ValueError("k and v caches must share one quantised format")
+    ks, vs = k_cache.scales, v_cache.scales
+    nb, kvh = k_cache.shape[0], k_cache.shape[2]
+    for t in (ks, vs):
+        if t.shape != (nb, kvh) or t.dtype != torch.float32 or t.stride(1) != 1:
+            raise ValueError(f"scales must be float32 [{nb}, {kvh}], kv heads contiguous")
+    if ks.stride() != vs.stride():
+        raise ValueError("k and v scales must share strides")
+    _check_device(q, ks, vs)
+    return _CacheArgs(k_cache.codes, v_cache.codes, ks, vs, ks.stride(0), _QUANT_CODE[k_cache.fmt])
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, quantized: bool = False) -> None:
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be [NB, BS, KVH, D], got shape {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
@@ -467,7 +556,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"v_cache must match k_cache in shape and strides: got {tuple(v_cache.shape)} "
             f"{v_cache.stride()} vs {tuple(k_cache.shape)} {k_cache.stride()}"
         )
-    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in _FLOAT_DTYPES:
+    allowed = (torch.uint8,) if quantized else _FLOAT_DTYPES
+    if v_cache.dtype != k_cache.dtype or k_cache.dtype not in allowed:
         raise ValueError(
             f"caches must share one dtype of {_FLOAT_DTYPES}, got {k_cache.dtype}/{v_cache.dtype}"
         )
@@ -486,9 +576,10 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"k_cache on {k_cache.device} but v_cache on {v_cache.device}")
 
 
-def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     quantized: bool = False) -> int:
     """Validate q against the caches; returns the GQA group size H // KVH."""
-    _check_cache(k_cache, v_cache)
+    _check_cache(k_cache, v_cache, quantized)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D [tokens, H, D], got shape {tuple(q.shape)}")
@@ -498,7 +589,7 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(
             f"num_heads {q.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}"
         )
-    if q.dtype != k_cache.dtype:
+    if q.dtype not in _FLOAT_DTYPES or (not quantized and q.dtype != k_cache.dtype):
         raise ValueError(f"q dtype {q.dtype} must equal cache dtype {k_cache.dtype}")
     if q.stride(2) != 1:
         raise ValueError(f"q head_dim must be contiguous, got strides {q.stride()}")

@@ -319,7 +319,7 @@ class WorkerService:
         if self.receiver is None:
             return
         for transfer in self.receiver.poll(0):
-            problem = self.engine.kv_layout.mismatch(transfer.header.layout)
+            problem = self.engine.kv_layout.mismatch(transfer.header.layout, transfer.header.kv_dtype)
             self.receiver.ack(transfer, ok=problem is None, reason=problem or "")
             if problem is not None:
                 self.metrics.kv_failures.labels("layout").inc()

@@ -83,14 +83,15 @@ def loaded_model(directory: Path, max_model_len: int | None = None):
 def make_engine(directory: Path, num_blocks: int = 256, block_size: int = 16,
                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                 enable_prefix_caching: bool = True, max_model_len: int | None = None, loaded=None,
-                **kw):
+                kv_cache_dtype: str = "auto", **kw):
     from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from common.engine.engine import Engine
 
     config = EngineConfig(
         model=ModelConfig(path=str(directory), max_model_len=max_model_len),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                          enable_prefix_caching=enable_prefix_caching),
+                          enable_prefix_caching=enable_prefix_caching,
+                          kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens),
         threads=torch.get_num_threads(), **kw)

@@ -49,7 +49,7 @@ def handoff(transfer_id: str, num_blocks: int, block_nbytes: int) -> KVHandoff:
         prompt_token_ids=list(range(1, num_blocks * LAYOUT[1] + 1)),
         first_tokens=[7], first_logprobs=[None], generator_states=[None], finished=[False],
         params=SamplingParams(max_tokens=4), reply_to="tcp://127.0.0.1:1", num_cached_tokens=0,
-        num_blocks=num_blocks, block_nbytes=block_nbytes, layout=LAYOUT,
+        num_blocks=num_blocks, block_nbytes=block_nbytes, layout=LAYOUT, kv_dtype="float32",
     )
 
 

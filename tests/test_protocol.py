@@ -77,7 +77,7 @@ EXAMPLES: list[Message] = [
     Finished("req-1", "decode-0", FinishStage.REQUEST, error="KV transfer failed: timeout"),
     KVHandoff("xfer-1", "req-1", PROMPT, [450, 319], [LP, None],
               [None, b"\x01\x02\x03generator-state"], [True, False], PARAMS_N2,
-              "tcp://10.0.0.5:7201", 8, 4, 131072, [30, 4, 3, 64, 2]),
+              "tcp://10.0.0.5:7201", 8, 4, 131072, [30, 4, 3, 64, 2], "bfloat16"),
     KVAck("xfer-1", True),
     KVAck("xfer-1", False, "no free blocks"),
 ]
@@ -188,7 +188,7 @@ def test_top_level_must_be_a_three_item_array():
 
 
 SUBMIT = Submit("r", [1, 2], PARAMS, "tcp://x:1")
-HANDOFF = KVHandoff("t", "r", [1], [2], [None], [None], [False], SamplingParams(), "a", 0, 1, 8, [1, 2, 1, 1, 4])
+HANDOFF = KVHandoff("t", "r", [1], [2], [None], [None], [False], SamplingParams(), "a", 0, 1, 8, [1, 2, 1, 1, 4], "float32")
 
 WRONG_TYPES = [
     # (message, field, bad value)  — one per kind of mistake
@@ -381,6 +381,7 @@ INCONSISTENT = [
     (HANDOFF, "num_blocks", 0),
     (HANDOFF, "layout", [1, 2]),
     (HANDOFF, "layout", [1, 0, 1, 1, 4]),  # a zero block size would divide by zero
+    (HANDOFF, "kv_dtype", "int4"),  # not a cache element type
     (HANDOFF, "finished", [True]),  # nothing left to decode
     (HANDOFF, "num_cached_tokens", 5),
     (HANDOFF, "prompt_token_ids", []),

@@ -20,7 +20,7 @@ class FakeClock:
         return self.now
 
 
-LAYOUT = KVLayout(2, 4, 2, 8, 4)
+LAYOUT = KVLayout(2, 4, 2, 8, 4, "float32")
 
 
 def handoff(request_id: str = "r", n: int = 2, finished=(True, False)) -> Handoff:
@@ -51,8 +51,8 @@ def test_a_handoff_whose_blocks_do_not_cover_the_prompt_is_refused():
 
 
 def test_layout_mismatch_names_both_layouts():
-    assert LAYOUT.mismatch([2, 4, 2, 8, 4]) is None
-    assert "[2, 4, 2, 8, 2]" in LAYOUT.mismatch([2, 4, 2, 8, 2])
+    assert LAYOUT.mismatch([2, 4, 2, 8, 4], "float32") is None
+    assert "[2, 4, 2, 8, 2]" in LAYOUT.mismatch([2, 4, 2, 8, 2], "float32")
 
 
 # ---- OutgoingTransfers ----------------------------------------------------------------

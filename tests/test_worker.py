@@ -123,7 +123,8 @@ def handoff_for(h: Harness, request_id: str, **changes) -> tuple[KVHandoff, list
     e = h.worker.engine
     blocks = -(-len(PROMPT) // e.block_size)
     header = KVHandoff(f"t-{request_id}", request_id, PROMPT, [7], [None], [None], [False], GREEDY,
-                       h.reply_to, 0, blocks, e.block_nbytes, e.kv_layout.as_list())
+                       h.reply_to, 0, blocks, e.block_nbytes, e.kv_layout.as_list(),
+                       e.kv_layout.kv_dtype)
     header = replace(header, **changes) if changes else header
     return header, [bytes(header.block_nbytes)] * header.num_blocks
 
@@ -240,6 +241,14 @@ def test_a_layout_mismatch_is_nacked_and_fails_the_request(decode_worker: Harnes
     assert not ack.ok and "does not match" in ack.reason
     decode_worker.run_until(lambda: decode_worker.finished("r") and decode_worker.errors("r"))
     assert decode_worker.output("r") == []
+    decode_worker.assert_idle()
+
+
+def test_a_kv_dtype_mismatch_is_nacked_with_the_flag_to_fix(decode_worker: Harness):
+    header, frames = handoff_for(decode_worker, "q")  # same sizes, but int8 codes
+    [ack] = ship(decode_worker, replace(header, kv_dtype="int8"), frames)
+    assert not ack.ok and "KV cache dtype int8" in ack.reason and "--kv-cache-dtype" in ack.reason
+    decode_worker.run_until(lambda: decode_worker.finished("q") and decode_worker.errors("q"))
     decode_worker.assert_idle()
 
 

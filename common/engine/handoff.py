@@ -54,20 +54,28 @@ def build_handoff(request: Request, block_ids: list[int]) -> Handoff:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """What a peer's cache must match for blocks to be copied byte for byte."""
+    """What a peer's cache must match for blocks to be copied byte for byte.
+
+    ``kv_dtype`` is the ``--kv-cache-dtype`` the bytes are in (float32, bfloat16, float16,
+    int8, fp8): int8 and fp8 blocks have the same sizes but cannot be read as each other.
+    """
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
-    element_size: int
+    element_size: int  # bytes per cached value (1 for int8 / fp8 codes)
+    kv_dtype: str
 
     def as_list(self) -> list[int]:
         return [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
                 self.element_size]
 
-    def mismatch(self, theirs: Seq[int]) -> str | None:
+    def mismatch(self, theirs: Seq[int], their_dtype: str) -> str | None:
         """Why a peer's layout cannot be copied into this one, or None."""
+        if their_dtype != self.kv_dtype:
+            return (f"KV cache dtype {their_dtype} of the sender does not match this worker's "
+                    f"{self.kv_dtype}: run prefill and decode with the same --kv-cache-dtype")
         if list(theirs) != self.as_list():
             return f"KV layout {list(theirs)} does not match this worker's {self.as_list()}"
         return None
@@ -78,7 +86,8 @@ def to_wire(h: Handoff, transfer_id: str, reply_to: str, layout: KVLayout,
     """The transfer header for a handoff whose blocks follow as ``len(h.block_ids)`` frames."""
     return KVHandoff(transfer_id, h.request_id, h.prompt_token_ids, h.first_tokens,
                      h.first_logprobs, h.generator_states, h.finished, h.params, reply_to,
-                     h.num_cached_tokens, len(h.block_ids), block_nbytes, layout.as_list())
+                     h.num_cached_tokens, len(h.block_ids), block_nbytes, layout.as_list(),
+                     layout.kv_dtype)
 
 
 def from_wire(header: KVHandoff) -> Handoff:

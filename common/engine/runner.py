@@ -3,6 +3,10 @@
 The cache is one tensor ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``:
 block-major, so one block of one sequence (all layers, K and V) is a single contiguous
 buffer — a copy-on-write is one slice copy and a KV transfer is one frame per block.
+A quantised cache (int8 / fp8) is a byte tensor ``[num_blocks, num_layers, 2, slab]``,
+each slab a layer's K or V codes followed by their per-head scales
+(``kernels.kv_quant``): still one contiguous buffer per block, so copies, transfers and
+prefix caching treat its blocks exactly as float ones; the model gets per-layer views.
 ``execute`` turns a ``SchedulerOutput`` into input tensors, runs the model and returns
 the logits of the positions that sample: one row per sampling sequence, or 1 + k rows
 for a sequence verifying a draft of k tokens (its last token's and each draft token's).
@@ -20,8 +24,9 @@ from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import Sequence
 from common.engine.scheduler import ScheduledChunk, SchedulerOutput
 from common.model.llama import LlamaModel
-from kernels import cpu_memory
+from kernels import cpu_memory, kv_quant
 from kernels.attention import AttentionBackend, AttentionMetadata, PrefillSpan
+from kernels.kv_quant import KVQuant
 
 
 @dataclass(slots=True)
@@ -43,16 +48,29 @@ class _Inputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheManager, num_blocks: int,
-                 cache_dtype: torch.dtype, backend: AttentionBackend) -> None:
+                 cache_dtype: torch.dtype | KVQuant, backend: AttentionBackend) -> None:
         s = model.spec
         self.model, self.kv, self.backend = model, kv, backend
         self.device = model.embed.device
         self.block_size = kv.block_size
-        shape = (num_blocks, s.num_layers, 2, kv.block_size, s.num_kv_heads, s.head_dim)
-        if self.device.type == "cpu":  # read in scattered blocks: huge pages spare the TLB
-            self.kv_cache = cpu_memory.zeros(shape, cache_dtype)
+        if isinstance(cache_dtype, KVQuant):
+            slab = kv_quant.slab_nbytes(kv.block_size, s.num_kv_heads, s.head_dim)
+            self.kv_cache = self._zeros((num_blocks, s.num_layers, 2, slab), torch.uint8)
+            views = kv_quant.layer_views(self.kv_cache, kv.block_size, s.num_kv_heads,
+                                         s.head_dim, cache_dtype)
+            self._model_cache: torch.Tensor | kv_quant.LayerViews = kv_quant.LayerViews(views)
+            element_size, dtype_name = 1, cache_dtype.value
         else:
-            self.kv_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
+            shape = (num_blocks, s.num_layers, 2, kv.block_size, s.num_kv_heads, s.head_dim)
+            self.kv_cache = self._model_cache = self._zeros(shape, cache_dtype)
+            element_size, dtype_name = self.kv_cache.element_size(), str(cache_dtype).split(".")[-1]
+        self._layout = KVLayout(s.num_layers, kv.block_size, s.num_kv_heads, s.head_dim,
+                                element_size, dtype_name)
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":  # read in scattered blocks: huge pages spare the TLB
+            return cpu_memory.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def block_nbytes(self) -> int:
@@ -61,7 +79,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.copy_blocks(out.block_copies)
         inputs = self._prepare(out.chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend)
+        hidden = self.model(inputs.input_ids, inputs.positions, self._model_cache, inputs.meta,
+                            self.backend)
         logits = self.model.logits(hidden[inputs.sample_rows])
         return StepResult(inputs.sample_seqs, logits, inputs.drafts)
 
@@ -93,8 +112,7 @@ class ModelRunner:
     @property
     def layout(self) -> KVLayout:
         """What a peer's cache must match for blocks to be copied byte for byte."""
-        _, layers, _, bs, kvh, dim = self.kv_cache.shape
-        return KVLayout(layers, bs, kvh, dim, self.kv_cache.element_size())
+        return self._layout
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> _Inputs:
         # Single-token chunks first: the decode kernel takes them as one batch.

@@ -18,7 +18,9 @@ from common.model.llama import LlamaModel
 from common.model.loader import resolve_model
 from common.model.spec import ModelSpec, UnsupportedModelError
 from common.model.tokenizer import Tokenizer
+from kernels import kv_quant
 from kernels.attention import AttentionBackend, select_backend
+from kernels.kv_quant import KVQuant
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,8 @@ class LoadedModel:
 class CachePlan:
     num_blocks: int
     block_size: int
-    dtype: torch.dtype
-    bytes_per_block: int
+    dtype: torch.dtype | KVQuant  # a float element type, or a quantised format
+    bytes_per_block: int  # all layers, K and V; for a quantised cache codes plus scales
     max_model_len: int
 
     @property
@@ -104,9 +106,8 @@ def _max_model_len(spec: ModelSpec, requested: int | None) -> int:
 def plan_cache(config: EngineConfig, loaded: LoadedModel) -> CachePlan:
     """How many blocks fit the memory budget, and the context limit they allow."""
     cache = config.cache
-    dtype = loaded.dtype if cache.kv_cache_dtype == "auto" else _DTYPES[cache.kv_cache_dtype]
-    element = torch.empty((), dtype=dtype).element_size()
-    per_block = cache.block_size * loaded.spec.kv_bytes_per_token(element)
+    dtype = kv_cache_dtype(cache.kv_cache_dtype, loaded.dtype)
+    per_block = block_nbytes(loaded.spec, cache.block_size, dtype)
     num_blocks = cache.num_blocks or cache.memory_bytes // per_block
     capacity = num_blocks * cache.block_size
     max_len = loaded.max_len
@@ -118,3 +119,18 @@ def plan_cache(config: EngineConfig, loaded: LoadedModel) -> CachePlan:
         log.warning("max model len lowered from %d to the KV cache's %d tokens", max_len, capacity)
         max_len = capacity
     return CachePlan(num_blocks, cache.block_size, dtype, per_block, max_len)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | KVQuant:
+    """``--kv-cache-dtype`` resolved: auto = the model's dtype."""
+    if name == "auto":
+        return model_dtype
+    return kv_quant.parse_kv_quant(name) or _DTYPES[name]
+
+
+def block_nbytes(spec: ModelSpec, block_size: int, dtype: torch.dtype | KVQuant) -> int:
+    """Bytes of one cache block (all layers, K and V) as the runner allocates it."""
+    if isinstance(dtype, KVQuant):
+        return kv_quant.block_nbytes(spec.num_layers, block_size, spec.num_kv_heads, spec.head_dim)
+    element = torch.empty((), dtype=dtype).element_size()
+    return block_size * spec.kv_bytes_per_token(element)

@@ -6,7 +6,8 @@
  * Layout (element strides, not bytes):
  *   q, out        [B, H, D] float32, contiguous
  *   k/v cache     element (blk, tok, kvh, d) at base + blk*block_stride + tok*token_stride
- *                 + kvh*head_stride + d; element type float32, float16 or bfloat16
+ *                 + kvh*head_stride + d; element type float32, float16 or bfloat16, or
+ *                 one-byte int8 / fp8 codes with fp32 scales per (block, kv head)
  *   block_tables  int32 [B, *], row i at block_tables + i*bt_stride
  *   context_lens  int32 [B]
  * Query head h reads kv head h / (H / KVH).
@@ -43,6 +44,7 @@
 #endif
 
 #include "simd.h" /* INLINE, hsum1, exp8 */
+#include "kvq.h"  /* int8 / fp8 codes of a quantised cache */
 
 /* Rows (tokens) the score pass prefetches ahead of the ones it computes; 0 disables
  * software prefetch in both passes. */
@@ -61,14 +63,17 @@
 #define PA_MIN_ITEMS_PER_THREAD 4
 #endif
 
-/* Cache element types to build: -DPA_DTYPE=0 (float32), 1 (float16) or 2 (bfloat16) for
- * one, all three by default. Each costs about a second of compile time. */
+/* Cache element types to build: -DPA_DTYPE=0 (float32), 1 (float16), 2 (bfloat16),
+ * 3 (int8 codes) or 4 (fp8 e4m3 codes) for one, all five by default. Each costs about a
+ * second of compile time. Quantised caches carry per (block, kv head) scales: the score
+ * of token t is scaled by its K scale after the dot product, and its softmax weight by
+ * its V scale before the value pass, so the tiles below only widen codes to floats. */
 #ifndef PA_DTYPE
 #define PA_DTYPE -1
 #endif
 #define PA_WITH(dt) (PA_DTYPE < 0 || PA_DTYPE == (dt))
 
-enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_I8 = 3, DT_FP8 = 4 };
 
 /* ---------------------------------------------------------------- element loads */
 
@@ -96,8 +101,11 @@ INLINE float half_to_float(uint16_t h) {
     return f;
 }
 
+/* fp8 codes load as value / FP8_F16_FACTOR; run_item folds the factor into the scales. */
 INLINE float load1(const void *base, int64_t i, int dt) {
     if (dt == DT_F32) return ((const float *)base)[i];
+    if (dt == DT_I8) return (float)((const int8_t *)base)[i];
+    if (dt == DT_FP8) return half_to_float(fp8_as_f16(((const uint8_t *)base)[i]));
     uint16_t h = ((const uint16_t *)base)[i];
     if (dt == DT_F16) return half_to_float(h);
     uint32_t bits = (uint32_t)h << 16;
@@ -109,6 +117,8 @@ INLINE float load1(const void *base, int64_t i, int dt) {
 #if PA_AVX2
 INLINE __m256 load8(const void *base, int64_t i, int dt) {
     if (dt == DT_F32) return _mm256_loadu_ps((const float *)base + i);
+    if (dt == DT_I8) return i8_load8((const uint8_t *)base + i);
+    if (dt == DT_FP8) return fp8_load8_f16((const uint8_t *)base + i);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
     if (dt == DT_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -412,13 +422,37 @@ typedef struct {
     int H, KVH, D, block_size, esize;
     int heads_per_item; /* KVH (a work item is a sequence) or 1 (a sequence's kv head) */
     float scale;
+    /* Quantised caches only (NULL otherwise): scale of (blk, kvh) at base + blk*stride + kvh. */
+    const float *k_scales, *v_scales;
+    int64_t ks_block_stride, vs_block_stride;
+    float code_factor; /* what load1/load8 leave out of a code's value (fp8: 256) */
 } Args;
 
-/* Per-thread scratch: scores [NQ][max_n], K and V row pointers [max_n]. */
+/* Per-thread scratch: scores [NQ][max_n], K and V row pointers [max_n], and for quantised
+ * caches the per-token K and V scales of the item's heads [NH][max_n]. */
 typedef struct {
     float *s;
     const void **k_rows, **v_rows;
+    float *ks, *vs;
 } Scratch;
+
+/* out[hh*n + t] = factor * scale of token t's block, kv head h0 + hh, for hh < NH. */
+static void token_scales(const float *base, int64_t block_stride, const Args *a,
+                         const int32_t *bt, int h0, int NH, int n, float *out) {
+    for (int hh = 0; hh < NH; hh++)
+        for (int t = 0; t < n; t++)
+            out[(int64_t)hh * n + t] =
+                a->code_factor * base[bt[t / a->block_size] * block_stride + h0 + hh];
+}
+
+/* s[qh*n + t] *= ts[(qh / G)*n + t]: scores by K scales, or probabilities by V scales. */
+static void scale_rows(float *s, const float *ts, int NQ, int G, int n) {
+    for (int qh = 0; qh < NQ; qh++) {
+        float *sq = s + (int64_t)qh * n;
+        const float *tq = ts + (int64_t)(qh / G) * n;
+        for (int t = 0; t < n; t++) sq[t] *= tq[t];
+    }
+}
 
 /* Pointers to kv head h of the first n tokens of a sequence into rows[0:n]. */
 static void row_pointers(const char *base, int64_t block_stride, const Args *a,
@@ -448,8 +482,14 @@ INLINE void run_item(const Args *a, int64_t item, const Scratch *w, int dt) {
     row_pointers(a->v, a->v_block_stride, a, bt, h0, it.n, w->v_rows);
     scores_pass(&it, a->q + q0, w->k_rows, a->scale, w->s, dt);
     values_prefetch_first(&it, w->v_rows);
+    if (a->k_scales) {
+        token_scales(a->k_scales, a->ks_block_stride, a, bt, h0, it.NH, it.n, w->ks);
+        token_scales(a->v_scales, a->vs_block_stride, a, bt, h0, it.NH, it.n, w->vs);
+        scale_rows(w->s, w->ks, NQ, it.G, it.n);
+    }
     for (int qh = 0; qh < NQ; qh++)
         inv[qh] = 1.0f / softmax_unnormalised(w->s + (int64_t)qh * it.n, it.n);
+    if (a->v_scales) scale_rows(w->s, w->vs, NQ, it.G, it.n);
     values_pass(&it, w->s, w->v_rows, inv, a->out + q0, dt);
 }
 
@@ -481,9 +521,11 @@ static int run(Args *a, int B, int64_t num_blocks, int max_blocks, int num_threa
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && items > 1) \
     reduction(| : failed)
     {
+        const size_t nsc = a->k_scales ? (size_t)a->heads_per_item * n : 1;
         Scratch w = {malloc(sizeof(float) * nq * n), malloc(sizeof(void *) * n),
-                     malloc(sizeof(void *) * n)};
-        const int ok = w.s != NULL && w.k_rows != NULL && w.v_rows != NULL;
+                     malloc(sizeof(void *) * n), malloc(sizeof(float) * nsc),
+                     malloc(sizeof(float) * nsc)};
+        const int ok = w.s && w.k_rows && w.v_rows && w.ks && w.vs;
         failed |= !ok;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
@@ -497,10 +539,18 @@ static int run(Args *a, int B, int64_t num_blocks, int max_blocks, int num_threa
 #if PA_WITH(2)
             if (dt == DT_BF16) run_item(a, it, &w, DT_BF16);
 #endif
+#if PA_WITH(3)
+            if (dt == DT_I8) run_item(a, it, &w, DT_I8);
+#endif
+#if PA_WITH(4)
+            if (dt == DT_FP8) run_item(a, it, &w, DT_FP8);
+#endif
         }
         free(w.s);
         free(w.k_rows);
         free(w.v_rows);
+        free(w.ks);
+        free(w.vs);
     }
     return failed ? -(2 * B + 1) : 0;
 }
@@ -514,7 +564,25 @@ static int run(Args *a, int B, int64_t num_blocks, int max_blocks, int num_threa
         if (B <= 0) return 0;                                                              \
         Args a = {q, (const char *)k_cache, (const char *)v_cache, block_tables,           \
                   context_lens, out, k_block_stride, v_block_stride, token_stride,         \
-                  head_stride, bt_stride, H, KVH, D, block_size, ESIZE, 1, scale};         \
+                  head_stride, bt_stride, H, KVH, D, block_size, ESIZE, 1, scale,          \
+                  NULL, NULL, 0, 0, 1.0f};                                                 \
+        return run(&a, B, num_blocks, max_blocks, num_threads, DT);                        \
+    }
+
+/* Quantised caches: one-byte codes plus fp32 scales, (blk, kvh) at scales + blk*stride + kvh. */
+#define PA_QENTRY(NAME, DT, FACTOR)                                                        \
+    int NAME(const float *q, const void *k_cache, const void *v_cache,                   \
+             int64_t k_block_stride, int64_t v_block_stride, int64_t token_stride,         \
+             int64_t head_stride, int64_t num_blocks, const int32_t *block_tables,         \
+             int64_t bt_stride, int max_blocks, const int32_t *context_lens, int B, int H, \
+             int KVH, int D, int block_size, float scale, float *out, int num_threads,     \
+             const float *k_scales, const float *v_scales, int64_t ks_block_stride,        \
+             int64_t vs_block_stride) {                                                    \
+        if (B <= 0) return 0;                                                              \
+        Args a = {q, (const char *)k_cache, (const char *)v_cache, block_tables,           \
+                  context_lens, out, k_block_stride, v_block_stride, token_stride,         \
+                  head_stride, bt_stride, H, KVH, D, block_size, 1, 1, scale,              \
+                  k_scales, v_scales, ks_block_stride, vs_block_stride, FACTOR};           \
         return run(&a, B, num_blocks, max_blocks, num_threads, DT);                        \
     }
 
@@ -526,6 +594,12 @@ PA_ENTRY(paged_decode_attention_f16, DT_F16, 2)
 #endif
 #if PA_WITH(2)
 PA_ENTRY(paged_decode_attention_bf16, DT_BF16, 2)
+#endif
+#if PA_WITH(3)
+PA_QENTRY(paged_decode_attention_i8, DT_I8, 1.0f)
+#endif
+#if PA_WITH(4)
+PA_QENTRY(paged_decode_attention_fp8, DT_FP8, FP8_F16_FACTOR)
 #endif
 
 /* 1 if this build uses the AVX2+FMA path, 0 for the scalar fallback. */
