@@ -254,6 +254,8 @@ def test_a_kv_dtype_mismatch_is_nacked_with_the_flag_to_fix(decode_worker: Harne
 
 def test_a_handoff_arriving_after_its_abort_is_dropped(decode_worker: Harness):
     decode_worker.send(Abort("late"))
+    # the abort and the handoff come on different sockets: let the abort land first
+    decode_worker.run_until(lambda: decode_worker.worker.incoming.was_aborted("late"))
     header, frames = handoff_for(decode_worker, "late")
     [ack] = ship(decode_worker, header, frames)
     assert ack.ok  # the bytes arrived; the request is simply gone

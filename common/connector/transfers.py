@@ -120,9 +120,13 @@ class IncomingTransfers:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def was_aborted(self, request_id: str) -> bool:
+        """Whether a transfer for ``request_id`` arriving now would be dropped."""
+        return request_id in self._aborted
+
     def arrive(self, transfer: ReceivedTransfer) -> bool:
         """Queue an arrived transfer; False (dropped) when its request was aborted."""
-        if transfer.header.request_id in self._aborted:
+        if self.was_aborted(transfer.header.request_id):
             return False
         self._pending.append(transfer)
         return True
