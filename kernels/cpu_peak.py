@@ -27,9 +27,11 @@ def available() -> bool:
     return _loader.get(None) is not None
 
 
-def fma_peak_gflops(threads: int, iters: int = 20_000_000, reps: int = 3) -> float:
+def fma_peak_gflops(threads: int, iters: int = 20_000_000, reps: int = 5) -> float:
     """Best of ``reps`` runs of ``threads`` threads, each ``iters`` rounds of 12 8-wide FMA
-    chains (about 0.3 s per run at 3 GHz). RuntimeError where it cannot be built."""
+    chains (about 0.3 s per run at 3 GHz). The best, not the mean: the peak is what the
+    cores can do, and on a shared VM a run can lose a core to a neighbour (seen here: one
+    two-thread run at half the rate of the next). RuntimeError where it cannot be built."""
     fn = _loader.require(None)
     sink = ctypes.c_float()
     fn(iters // 10, threads, ctypes.byref(sink))  # wake the cores and the thread pool
