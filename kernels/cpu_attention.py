@@ -172,25 +172,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [B, H, D] float32
     """Fused ``kernels.reference.paged_decode_attention`` (see there for the semantics)."""
     _check_cache(q, k_cache, v_cache)
-    fn = _loader.require(k_cache.dtype)
-    block_tables = _as_int32_rows(block_tables, "block_tables", 2)
-    context_lens = _as_int32_rows(context_lens, "context_lens", 1)
-    batch, heads, dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
-    if block_tables.shape[0] != batch or context_lens.shape[0] != batch:
-        raise ValueError(f"block_tables and context_lens must have {batch} rows")
-    out = _check_out(out, q)
-    max_blocks = block_tables.shape[1]
-    rc = fn(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.stride(0), v_cache.stride(0), kv_heads * dim, dim, num_blocks,
-        block_tables.data_ptr(), block_tables.stride(0), max_blocks, context_lens.data_ptr(),
-        batch, heads, kv_heads, dim, block_size,
-        scale, out.data_ptr(), num_threads or torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        _raise_for(rc, batch, max_blocks * block_size, num_blocks)
-    return out
+    return _launch(_loader.require(k_cache.dtype), q, k_cache, v_cache, block_tables,
+                   context_lens, scale, out, num_threads)
 
 
 def paged_decode_attention_quantized(
@@ -204,9 +187,17 @@ def paged_decode_attention_quantized(
     num_threads: int | None = None,
 ) -> torch.Tensor:  # [B, H, D] float32
     """Fused ``kernels.kv_quant.paged_decode_attention``: codes dequantised in registers."""
-    k, v = k_cache.codes, v_cache.codes
     _check_quantized(q, k_cache, v_cache)
-    fn = _loader.require(k_cache.fmt)
+    scales = (k_cache.scales.data_ptr(), v_cache.scales.data_ptr(),
+              k_cache.scales.stride(0), v_cache.scales.stride(0))
+    return _launch(_loader.require(k_cache.fmt), q, k_cache.codes, v_cache.codes, block_tables,
+                   context_lens, scale, out, num_threads, scales)
+
+
+def _launch(fn, q, k, v, block_tables, context_lens, scale, out, num_threads,
+            extra: tuple = ()) -> torch.Tensor:
+    """Run one decode-attention entry point on checked caches ``k``/``v`` [NB, BS, KVH, D]
+    (values or codes); ``extra``: the arguments a variant takes after the common ones."""
     block_tables = _as_int32_rows(block_tables, "block_tables", 2)
     context_lens = _as_int32_rows(context_lens, "context_lens", 1)
     batch, heads, dim = q.shape
@@ -219,9 +210,7 @@ def paged_decode_attention_quantized(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kvh * dim, dim,
         num_blocks, block_tables.data_ptr(), block_tables.stride(0), max_blocks,
         context_lens.data_ptr(), batch, heads, kvh, dim, block_size,
-        scale, out.data_ptr(), num_threads or torch.get_num_threads(),
-        k_cache.scales.data_ptr(), v_cache.scales.data_ptr(),
-        k_cache.scales.stride(0), v_cache.scales.stride(0),
+        scale, out.data_ptr(), num_threads or torch.get_num_threads(), *extra,
     )  # fmt: skip
     if rc != 0:
         _raise_for(rc, batch, max_blocks * block_size, num_blocks)

@@ -72,10 +72,11 @@ def unavailable_reason() -> str | None:
     return _loader.reason(None)
 
 
-def _check(x: torch.Tensor, k: int) -> None:
-    """ValueError unless ``x`` is a CPU float32 [M, k] operand."""
-    if x.dim() != 2:
-        raise ValueError(f"want a 2-d x, got shape {tuple(x.shape)}")
+def check_operand(x: torch.Tensor, k: int) -> None:
+    """ValueError unless ``x`` is a CPU float32 [M, k] operand (this kernel's, and the
+    quantised one's in ``kernels.cpu_quant``)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"want a 2-d x, got shape {tuple(getattr(x, 'shape', ()))}")
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns but weight rows have {k}")
     if x.dtype is not _f32:
@@ -162,7 +163,7 @@ def linear(
     packed = weight if isinstance(weight, PackedWeight) else pack(weight)
     n, k = packed.shape
     if not (x.dtype is _f32 and x.dim() == 2 and x.shape[1] == k and x.is_cpu):
-        _check(x, k)
+        check_operand(x, k)
     if bias is not None and not (bias.dtype is _f32 and bias.is_cpu and bias.shape == (n,)):
         raise ValueError(f"bias must be a CPU float32 tensor of shape ({n},), got "
                          f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")

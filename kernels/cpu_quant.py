@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch  # must be loaded before the kernel library, see kernels.cpu_build
 
-from kernels import cpu_build, cpu_memory
+from kernels import cpu_build, cpu_gemm, cpu_memory
 from kernels.quant_formats import QuantFormat, QuantWeight
 
 SOURCE = Path(__file__).parent / "cpu" / "quant_gemm.c"
@@ -138,16 +138,6 @@ def pack_all(weights: list[QuantWeight]) -> list[QuantPacked]:
     return packed
 
 
-def _check_x(x: torch.Tensor, k: int) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"want a 2-d x, got shape {tuple(getattr(x, 'shape', ()))}")
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns but weight rows have {k}")
-    if x.dtype is not _f32:
-        raise ValueError(f"want float32 x, got {x.dtype}")
-    if not x.is_cpu:
-        raise ValueError("the CPU kernel takes CPU tensors only")
-
 
 def linear(
     x: torch.Tensor,  # [M, K] float32; rows may be strided if each row is contiguous
@@ -164,7 +154,7 @@ def linear(
     n, k = w.n, w.k
     if not (isinstance(x, torch.Tensor) and x.dtype is _f32 and x.dim() == 2 and x.shape[1] == k
             and x.is_cpu):
-        _check_x(x, k)
+        cpu_gemm.check_operand(x, k)
     if bias is not None and not (isinstance(bias, torch.Tensor) and bias.dtype is _f32
                                  and bias.is_cpu and bias.shape == (n,)):
         raise ValueError(f"bias must be a CPU float32 tensor of shape ({n},), got "
