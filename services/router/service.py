@@ -146,6 +146,7 @@ class RouterService:
                 identity, data = await self._recv()
                 if data is not None:
                     await self._dispatch(identity, data)
+                    self._queue_len.set(len(self.queue))  # exact, not only every 0.25 s
         finally:
             maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):
