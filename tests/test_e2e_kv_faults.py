@@ -105,7 +105,10 @@ def test_random_transfer_faults_fail_requests_clearly_and_leak_nothing(
         [prefill] = c.workers("prefill")
         [decode] = c.workers("decode")
         assert c.metric(prefill, FAILURES, reason="retried") > 0  # faults were met, and retried
-        assert c.metric(prefill, FAILURES, reason="send") == failed  # one per failed request
+        # One per failed request, and possibly more: a transfer whose ack arrives after its
+        # lease (a loaded machine) is a failure to the sender although the decode worker,
+        # which had copied the blocks, served the request.
+        assert c.metric(prefill, FAILURES, reason="send") >= failed
         assert c.metric(decode, FAILURES, reason="bad_transfer") > 0  # truncated/corrupt refused
 
         assert {child.name: child.proc.pid for child in c.children} == pids

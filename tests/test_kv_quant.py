@@ -158,12 +158,15 @@ def paged_sequences(fmt: KVQuant, lens: list[int], dim: int, bs: int = 4):
 @pytest.mark.parametrize("dim", [64, 12])  # AVX2 tiles, and the scalar path
 @pytest.mark.parametrize("threads", [1, 2])
 def test_c_decode_attention_matches_the_reference(fmt, dim, threads):
+    torch.manual_seed(7)
     k, v, tables, lens = paged_sequences(fmt, [1, 5, 37, 16, 0], dim)
     q = torch.randn(5, 9, dim)
     want = kv_quant.paged_decode_attention(q, k, v, tables, lens, 0.125)
     got = cpu_attention.paged_decode_attention_quantized(q, k, v, tables, lens, 0.125,
                                                          num_threads=threads)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # fp32 summation order: the kernel folds the scales into the scores and probabilities
+    # instead of dequantising first (seen: 1.5e-5 on values of order 1 with another q)
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

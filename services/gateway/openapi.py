@@ -125,12 +125,19 @@ def _responses(kind: str) -> Schema:
                            "choices": {"type": "array", "minItems": 1}}}
     out: Schema = {"200": {"description": "the completion, or with stream: server-sent events",
                            "content": {"application/json": {"schema": body},
-                                       "text/event-stream": {"schema": {"type": "string"}}}}}
+                                       "text/event-stream": {"schema": _SSE_EVENT}}}}
     for status, why in _ERRORS.items():
         out[status] = {"description": why, "content": {"application/json": {"schema": _ERROR}}}
         if status in ("429", "503"):
             out[status]["headers"] = _RETRY_AFTER
     return out
+
+
+# One server-sent event, as SSE clients (and schemathesis) parse the stream: each `data:`
+# line is a JSON chunk, or `[DONE]` last.
+_SSE_EVENT: Schema = {"type": "object", "required": ["data"],
+                      "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                     "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def operation(request: Schema, kind: str) -> Schema:
