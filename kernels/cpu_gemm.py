@@ -85,6 +85,22 @@ def check_operand(x: torch.Tensor, k: int) -> None:
         raise ValueError("the CPU kernel takes CPU tensors only")
 
 
+def row_operand(x: torch.Tensor, bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """(x, its row stride, bias) as the kernels take them: rows may be strided apart (a
+    slice of a wider tensor is not copied), each row and the bias contiguous."""
+    m, k = x.shape
+    ldx = k
+    if not x.is_contiguous():
+        if _rows_contiguous(x):
+            ldx = x.stride(0) if m > 1 else k
+        else:
+            x = x.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    return x, ldx, bias
+
+
 def _rows_contiguous(t: torch.Tensor) -> bool:
     """Whether each row of 2-d ``t`` is contiguous and rows do not overlap (a stride only
     matters along a dim of more than one element)."""
@@ -168,14 +184,7 @@ def linear(
         raise ValueError(f"bias must be a CPU float32 tensor of shape ({n},), got "
                          f"{bias.dtype} {tuple(bias.shape)} on {bias.device}")
     m = x.shape[0]
-    ldx = k
-    if not x.is_contiguous():
-        if _rows_contiguous(x):
-            ldx = x.stride(0) if m > 1 else k
-        else:
-            x = x.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
+    x, ldx, bias = row_operand(x, bias)
     y = torch.empty((m, n), dtype=_f32)
     rc = kernel.linear(
         x.data_ptr(), ldx, packed.data.data_ptr(), None if bias is None else bias.data_ptr(),

@@ -159,14 +159,8 @@ def linear(
                                  and bias.is_cpu and bias.shape == (n,)):
         raise ValueError(f"bias must be a CPU float32 tensor of shape ({n},), got "
                          f"{getattr(bias, 'dtype', type(bias))} {tuple(getattr(bias, 'shape', ()))}")
-    m, ldx = x.shape[0], k
-    if not x.is_contiguous():
-        if x.stride(1) == 1 and (m <= 1 or x.stride(0) >= k):
-            ldx = x.stride(0) if m > 1 else k
-        else:
-            x = x.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
+    m = x.shape[0]
+    x, ldx, bias = cpu_gemm.row_operand(x, bias)
     y = torch.empty((m, n), dtype=_f32)
     rc = kernel.linear(_FMT[w.fmt], x.data_ptr(), ldx, w.data.data_ptr(),
                        None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k,
