@@ -86,14 +86,9 @@ def generation_flops(spec: ModelSpec, prompt_len: int, output_len: int, num_prom
     return per_prompt * num_prompts
 
 
-def decode_bytes_per_token(model, spec: ModelSpec, kv_bytes_per_position: float, context: float) -> float:
-    """Bytes a batch-1 decode step reads: the weights as held (quantised or not: the
-    model's own count where it has one) plus the cache of ``context`` positions (K and V
-    of every layer, with their scales where the cache is quantised)."""
-    weights = model.weight_bytes() if hasattr(model, "weight_bytes") else weight_bytes_per_token(spec)
-    return weights + kv_bytes_per_position * context
+def decode_bytes_per_token(model, kv_bytes_per_position: float, context: float) -> float:
+    """Bytes a batch-1 decode step reads: the model's weights as held (quantised or not)
+    plus the cache of ``context`` positions (K and V of every layer, with their scales where
+    the cache is quantised)."""
+    return model.weight_bytes() + kv_bytes_per_position * context
 
-
-def weight_bytes_per_token(spec: ModelSpec, element_size: int = 4) -> int:
-    """Bytes a batch-1 decode step must stream: every weight once (the tied LM head too)."""
-    return spec.num_params(with_embeddings=False) * element_size + spec.vocab_size * spec.hidden_size * element_size

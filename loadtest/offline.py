@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     tandem_runs = [tandem_run()]
     tpot_ms = _batch1_tpot_ms(engine, prompts[0], args.batch1_tokens)
     plan = engine.cache_plan
-    step_bytes = limits.decode_bytes_per_token(engine.loaded.model, spec, plan.bytes_per_block / plan.block_size,
+    step_bytes = limits.decode_bytes_per_token(engine.loaded.model, plan.bytes_per_block / plan.block_size,
                                                args.input_len + args.batch1_tokens / 2)
 
     hf_s = None

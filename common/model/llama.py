@@ -46,7 +46,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if isinstance(weight, PackedWeight):
         return cpu_gemm.linear(x, weight, bias)
     if isinstance(weight, QuantPacked):
-        return cpu_quant.linear(x if x.is_contiguous() else x.contiguous(), weight, bias)
+        return cpu_quant.linear(x, weight, bias)  # strided rows are read in place
     rows = x.shape[0]
     if x.device.type != "cpu" or rows > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
