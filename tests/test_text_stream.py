@@ -34,6 +34,17 @@ def test_deltas_add_up_to_the_decoded_text_with_multibyte_characters(tok):
     assert all("\ufffd" not in d for d in deltas)
 
 
+def test_a_character_cut_off_by_the_end_shows_as_hf_decodes_it(tok):
+    ids = tok.encode("price 北")
+    assert len(ids) == 4  # "price", " " + two byte pieces: "北" spans three tokens
+    cut = ids[:-1]  # ends one byte short of the character
+    stream = Detokenizer(tok, prompt_ids=[1, 2, 3])
+    shown = "".join(stream.push(t).text for t in cut)
+    assert "\ufffd" not in shown  # held back while it could still complete
+    shown += stream.finish().text
+    assert shown == stream.text == tok.decode(cut) and shown.endswith("\ufffd")
+
+
 def test_stop_string_across_token_boundaries_is_cut_and_never_shown(tok):
     text = "Hello world, this is a test of stopping."
     ids, deltas, stream = stream_all(tok, text, stop=("ld, th",))

@@ -105,7 +105,15 @@ class Detokenizer:
         return self._take(final=self.stopped is not None)
 
     def finish(self) -> Delta:
-        """The sequence ended: release any held-back text."""
+        """The sequence ended: release any held-back text, and a last character left
+        incomplete shows as HF's ``decode`` shows it (U+FFFD), not silently dropped."""
+        if self.stopped is None and self._read_offset < len(self._ids):
+            prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+            full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+            self._prefix_offset = self._read_offset = len(self._ids)
+            before = len(self.text)
+            self.text += full[len(prefix) :]
+            self._find_stop(before)
         return self._take(final=True)
 
     def _decode_next(self, token_id: int) -> str:
