@@ -178,6 +178,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     threads: int | None = None  # torch intra-op threads; None = every available CPU
+    # Up to ``threads``, but each step only as many as other processes leave idle
+    # (``common.engine.cpu_share``): for workers that share a host's CPUs unpinned.
+    share_cpus: bool = False
     seed: int = 0  # seeds the generator of requests that bring no seed of their own
     speculative: SpeculativeConfig | None = None  # None = no speculative decoding
 

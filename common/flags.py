@@ -104,6 +104,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
                    help="token budget of one engine step (prefill chunks + decodes)")
     add("--threads", type=int, default=env("threads", default_of(EngineConfig, "threads"), int),
                    help="torch threads (default: every CPU this process may use)")
+    add("--share-cpus", action=argparse.BooleanOptionalAction,
+                   default=env("share_cpus", default_of(EngineConfig, "share_cpus"), bool),
+                   help="run each step on only as many threads as other processes leave "
+                        "CPUs idle (for workers sharing a host's CPUs without --cpu-affinity)")
     add("--seed", type=int, default=env("seed", default_of(EngineConfig, "seed"), int))
     add("--speculative-config", default=env("speculative_config", default_of(EngineConfig, "speculative")),
                    help='n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '
@@ -125,6 +129,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         threads=args.threads,
+        share_cpus=args.share_cpus,
         seed=args.seed,
         speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
     )

@@ -119,8 +119,11 @@ def plan(args: argparse.Namespace) -> list[Child]:
              else [("prefill", "prefill", args.prefill), ("decode", "decode", args.decode)])
     workers = [(name, cmd, i) for name, cmd, count in roles for i in range(count)]
     cpus = sorted(os.sched_getaffinity(0))
-    # --threads is an engine flag (forwarded when given); unset, the CPUs are shared out.
-    threads = [] if args.threads else ["--threads", str(max(1, available_cpus() // max(len(workers), 1)))]
+    # --threads is an engine flag (forwarded when given); unset, the CPUs are shared out —
+    # or, with --share-cpus, every worker may use them all when the others leave them idle.
+    share = args.share_cpus and not args.cpu_affinity
+    threads = ([] if args.threads or share
+               else ["--threads", str(max(1, available_cpus() // max(len(workers), 1)))])
     for n, (name, cmd, i) in enumerate(workers):
         port = free_port()
         argv = py + [cmd, "--router", router, "--metrics-port", str(port), *threads,

@@ -118,6 +118,13 @@ def test_threads_are_shared_out_unless_given():
     assert len(shared) == 1 and shared.pop() >= 1
 
 
+def test_workers_sharing_cpus_may_each_use_them_all():
+    workers = _workers_as_parsed(["--share-cpus"])
+    assert [(w.threads, w.share_cpus) for w in workers] == [(None, True)] * len(workers)
+    pinned = _workers_as_parsed(["--share-cpus", "--cpu-affinity"])
+    assert all(w.threads is not None for w in pinned)  # one CPU each: nothing to share
+
+
 def test_a_child_that_exits_during_start_is_a_startup_error():
     router = launcher.Child("router", [sys.executable, "-c", "raise SystemExit(3)"],
                             f"http://127.0.0.1:{free_port()}/health")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import torch
 
 from common.config import EngineConfig, available_cpus
 from common.engine.block_pool import BlockPool, KVEvent
+from common.engine.cpu_share import CpuShare
 from common.engine.handoff import Handoff, KVLayout, build_handoff, live_seqs, rebuild_request
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import FinishReason, Request, SeqStatus, Sequence, TokenLogprob
@@ -99,6 +101,8 @@ class Engine:
                  detokenize: bool = True) -> None:
         """``detokenize=False`` leaves text and stop strings to the caller (the gateway)."""
         torch.set_num_threads(config.threads or available_cpus())
+        self._cpu_share = (CpuShare(sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+                           if config.share_cpus and hasattr(os, "sched_getaffinity") else None)
         self.config = config
         self.detokenize = detokenize
         self.loaded = loaded or load_model(config.model)
@@ -262,6 +266,10 @@ class Engine:
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[SeqUpdate]:
+        if self._cpu_share is not None:
+            threads = self._cpu_share.threads()
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
         out = self.scheduler.schedule(drafts)
         if out.is_empty:
