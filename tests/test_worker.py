@@ -108,7 +108,7 @@ class Harness:
     def assert_idle(self) -> None:
         stats = self.worker.engine.stats()
         assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_blocks)
-        assert len(self.worker.incoming) == 0 and len(self.worker.outgoing) == 0
+        assert self.worker.num_arriving == 0 and len(self.worker.outgoing) == 0
 
 
 @pytest.fixture

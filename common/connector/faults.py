@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from common.connector.base import KVSender
-from common.protocol import KVAck, KVHandoff, encode
+from common.connector.base import KVHeader, KVSender
+from common.protocol import KVAck, encode
 
 log = logging.getLogger("tandem.connector.faults")
 
@@ -127,7 +127,7 @@ class FaultPlan:
 class _Late:
     due: float
     addr: str
-    header: KVHandoff
+    header: KVHeader
     blocks: Sequence[memoryview]
 
 
@@ -148,7 +148,7 @@ class FaultySender:
         self._late: list[_Late] = []
         self.injected: Counter[Fault] = Counter()
 
-    def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
+    def send(self, addr: str, header: KVHeader, blocks: Sequence[memoryview]) -> None:
         self._send_due()
         fault = next(self._draws)
         if fault is None:
