@@ -141,10 +141,13 @@ class KVOutbox:
     def settle(self) -> None:
         for outcome in self.outgoing.settle(self.sender.poll_acks()):
             self._end_transfer(outcome)
-        for outcome in self.outgoing.expire():
-            # It may still sit in the transport's queue: drop it there before the blocks
-            # are given back or resent, so no stale copy of reused blocks is ever delivered.
-            self.sender.abandon(outcome.addr)
+        expired = self.outgoing.expire()
+        # They may still sit in the transport's queue: drop them there before their blocks
+        # are given back or resent (all first, so a resend is not dropped with them), so no
+        # stale copy of reused blocks is ever delivered.
+        for addr in dict.fromkeys(outcome.addr for outcome in expired):
+            self.sender.abandon(addr)
+        for outcome in expired:
             self._end_transfer(outcome)
 
     def _end_transfer(self, t: TransferOutcome) -> None:
