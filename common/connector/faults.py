@@ -15,6 +15,8 @@ Spec: comma-separated ``key=value`` pairs, every one optional::
                                     draw (F: drop, truncate, corrupt, delay or none)
 
 e.g. ``drop=0.05,truncate=0.05,corrupt=0.05,delay=0.05:0.5,seed=7`` or ``script=drop+none``.
+Each piece of a KV stream (``KVPiece``) is a transfer of its own, so it takes its own draw
+(a 101-token prompt in chunks of 32 is four transfers: ``script=none+drop`` drops piece 1).
 
 What each fault does, and what the other side sees:
 
