@@ -64,6 +64,9 @@ class EngineMetrics(RequestMetrics):
                                 ["direction"], registry=r)
         self.kv_seconds = Histogram("tandem:kv_transfer_seconds",
                                     "Send to ack of one KV transfer", buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_pieces = Counter("tandem:kv_stream_pieces", "KV stream pieces (non-final "
+                                 "transfers of a prompt shipped chunk by chunk) sent or received",
+                                 ["direction"], registry=r)
         self.kv_failures = Counter("tandem:kv_transfer_failures", "KV transfers that failed",
                                    ["reason"], registry=r)
         self.handler_errors = Counter("tandem:worker_handler_errors",

@@ -197,13 +197,16 @@ class Finished(Message):
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8")  # a cache's element types
 
 
-@message("kv_handoff", version=3)
+@message("kv_handoff", version=4)
 @dataclass(frozen=True, slots=True)
 class KVHandoff(Message):
     """Header of a KV transfer; ``num_blocks`` raw frames of ``block_nbytes`` follow.
 
     Per-choice lists (``first_tokens``, ``first_logprobs``, ``generator_states``,
-    ``finished``) have one entry per choice; the blocks cover the prompt exactly.
+    ``finished``) have one entry per choice; the blocks cover the prompt from block
+    ``first_block`` to its end. A whole transfer (``stream_id`` None) starts at block 0;
+    the final transfer of a stream follows its ``num_pieces`` ``KVPiece`` transfers, which
+    carried blocks ``0 .. first_block - 1`` under the same ``stream_id``.
     ``common.engine.handoff`` converts it to and from the engine's ``Handoff``.
     """
 
@@ -221,6 +224,9 @@ class KVHandoff(Message):
     block_nbytes: int
     layout: list[int]  # [num_layers, block_size, kv_heads, head_dim, element_size]
     kv_dtype: str  # what the blocks' bytes are: one of KV_DTYPES
+    stream_id: str | None = None  # the stream this transfer ends; None: a whole transfer
+    first_block: int = 0  # index of the first block that follows (the pieces held the rest)
+    num_pieces: int = 0  # KVPiece transfers of the stream before this one
 
     def __post_init__(self) -> None:
         n = len(self.first_tokens)
@@ -232,13 +238,59 @@ class KVHandoff(Message):
                  "kv_handoff.layout needs five positive sizes")
         _require(len(self.prompt_token_ids) >= 1, "kv_handoff: empty prompt")
         need = -(-len(self.prompt_token_ids) // self.layout[1])
-        _require(self.num_blocks == need, f"kv_handoff: {self.num_blocks} blocks for a prompt "
-                                          f"that needs {need}")
+        _require(self.num_blocks == need - self.first_block >= 1,
+                 f"kv_handoff: {self.num_blocks} blocks from block {self.first_block} for a "
+                 f"prompt that needs {need}")
         _require(0 <= self.num_cached_tokens <= len(self.prompt_token_ids),
                  "kv_handoff.num_cached_tokens out of range")
         _require(self.block_nbytes >= 1, "kv_handoff.block_nbytes must be positive")
         _require(self.kv_dtype in KV_DTYPES,
                  f"kv_handoff.kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        streamed = self.stream_id is not None
+        _require(streamed == (self.num_pieces > 0) == (self.first_block > 0),
+                 "kv_handoff: stream_id, num_pieces and first_block are set together or not at all")
+        _require(self.num_pieces <= self.first_block and self.stream_id != "",
+                 "kv_handoff: more pieces than streamed blocks, or an empty stream_id")
+
+
+@message("kv_piece")
+@dataclass(frozen=True, slots=True)
+class KVPiece(Message):
+    """Header of one non-final piece of a KV stream; ``num_blocks`` raw frames follow.
+
+    A prefill worker that computes a long prompt in chunks ships each chunk's full,
+    computed blocks as a piece while it computes the next; the stream's final transfer
+    is a ``KVHandoff`` with the same ``stream_id``. A piece holds full prompt blocks only
+    and never the prompt's last block (that one comes with the final transfer, which is
+    sent when the first token is sampled). ``piece`` counts from 0 in sending order.
+    """
+
+    transfer_id: str
+    stream_id: str
+    request_id: str
+    piece: int
+    first_block: int
+    num_blocks: int
+    num_prompt_tokens: int  # the decode side reserves blocks for the whole prompt
+    block_nbytes: int
+    layout: list[int]  # as KVHandoff's
+    kv_dtype: str
+    reply_to: str  # the gateway's token-stream address (to fail the request from decode)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.transfer_id) and bool(self.stream_id) and bool(self.request_id),
+                 "kv_piece: empty transfer, stream or request id")
+        _require(len(self.layout) == 5 and all(x >= 1 for x in self.layout),
+                 "kv_piece.layout needs five positive sizes")
+        _require(self.piece >= 0 and self.first_block >= self.piece and self.num_blocks >= 1,
+                 "kv_piece: piece, first_block and num_blocks out of range")
+        streamable = (self.num_prompt_tokens - 1) // self.layout[1]  # full blocks before the last
+        _require(self.first_block + self.num_blocks <= streamable,
+                 f"kv_piece: blocks {self.first_block}..{self.first_block + self.num_blocks - 1} "
+                 f"are not full blocks before the last of a {self.num_prompt_tokens}-token prompt")
+        _require(self.block_nbytes >= 1, "kv_piece.block_nbytes must be positive")
+        _require(self.kv_dtype in KV_DTYPES,
+                 f"kv_piece.kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
 
 
 @message("kv_ack")

@@ -68,6 +68,10 @@ def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
                    default=env("lease_seconds", default_of(W, "lease_seconds"), float),
                    help="free a shipped request's blocks if the receiver has not acked by then "
                         "(longer than the KV transport's frame timeout)")
+    p.add_argument("--kv-stream-chunks", action=argparse.BooleanOptionalAction,
+                   default=env("kv_stream_chunks", default_of(W, "kv_stream_chunks"), bool),
+                   help="a prefill worker ships each prompt chunk's KV while it computes the "
+                        "next (off: one transfer after the first token)")
     p.add_argument("--heartbeat-interval", type=float,
                    default=env("heartbeat_interval", default_of(W, "heartbeat_interval"), float))
     p.add_argument("--kv-faults", default=env("kv_faults"), metavar="SPEC",
@@ -153,6 +157,7 @@ def run_worker(args: argparse.Namespace) -> int:
         metrics_host=args.host,
         metrics_port=args.metrics_port, advertise_host=host, lease_seconds=args.lease_seconds,
         heartbeat_interval=args.heartbeat_interval, kv_faults=args.kv_faults or None,
+        kv_stream_chunks=args.kv_stream_chunks,
         **({"worker_id": args.worker_id} if args.worker_id else {}))
     engine = Engine(engine_config(args), detokenize=False)
     service = WorkerService(settings, engine)

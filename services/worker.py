@@ -9,9 +9,10 @@
 The loop: read control messages → take arrived KV → step the engine → send tokens →
 settle transfers → report to the router. The engine is touched by this thread only.
 Sockets: a DEALER to the router (identity = worker id), PUSH sockets to gateways, and
-the KV connector's sender or receiver. Transfer bookkeeping lives in
-``common.connector.transfers``; converting a handoff to the wire in
-``common.engine.handoff``. Every handler runs guarded: a bad message or a failing
+the KV connector's sender or receiver. Shipping KV out lives in ``services.kv_outbox``
+(pieces of a long prompt while it computes, then the rest), taking it in in
+``services.kv_inbox``; their bookkeeping in ``common.connector.transfers`` and
+``streams``. Every handler runs guarded: a bad message or a failing
 request fails that request alone, is logged and counted, and the loop goes on.
 """
 
@@ -19,17 +20,15 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable
 
 import zmq
 from prometheus_client import CollectorRegistry
 
 from common.addresses import reachable
-from common.connector import ReceivedTransfer, make_receiver, make_sender
-from common.connector.transfers import IncomingTransfers, OutgoingTransfers, TransferOutcome
+from common.connector import make_receiver, make_sender
+from common.connector.transfers import OutgoingTransfers
 from common.engine.engine import Engine, SeqUpdate
-from common.engine.handoff import Handoff, from_wire, to_wire
 from common.errors import InvalidRequestError
 from common.metrics import EngineMetrics, MetricsServer, ServiceHealth
 from common.protocol import (
@@ -48,6 +47,8 @@ from common.protocol import (
 )
 from common.roles import FinishStage, WorkerRole
 from services.heartbeat import Heartbeater
+from services.kv_inbox import KVInbox
+from services.kv_outbox import KVOutbox
 from services.worker_requests import GatewayPushers, RequestClock
 from services.worker_settings import WorkerSettings, check_lease, warn_faults
 
@@ -69,19 +70,26 @@ class WorkerService:
         self.clock = RequestClock()
         self._registry = CollectorRegistry()
         self.metrics = EngineMetrics(self._registry)
-        self.sender = self.receiver = None
+        self.sender = self.receiver = self.outbox = self.inbox = None
         warn_faults(settings)
+        self.outgoing = OutgoingTransfers(settings.lease_seconds,
+                                          max_attempts=settings.kv_transfer_attempts)
         if settings.role is WorkerRole.PREFILL:
             self.sender = make_sender(settings.kv_transport, on_error=self._connector_error,
                                       faults=settings.kv_faults)
             check_lease(settings.lease_seconds, self.sender.frame_timeout_s)
+            self.outbox = KVOutbox(engine, self.sender, self.outgoing,
+                                   stream=settings.kv_stream_chunks, clock=self.clock,
+                                   pushers=self.pushers, metrics=self.metrics,
+                                   send_router=self._send_router, guarded=self._guarded,
+                                   worker_id=settings.worker_id)
         else:
             self.receiver = make_receiver(settings.kv_transport,
                                           settings.kv_bind or "tcp://127.0.0.1:0",
                                           on_error=self._connector_error)
-        self.outgoing = OutgoingTransfers(settings.lease_seconds,
-                                          max_attempts=settings.kv_transfer_attempts)
-        self.incoming = IncomingTransfers()
+            self.inbox = KVInbox(engine, self.receiver, idle_seconds=settings.lease_seconds,
+                                 clock=self.clock, metrics=self.metrics, guarded=self._guarded,
+                                 fail=self._fail)
         self.http = MetricsServer(self._registry, settings.metrics_host, settings.metrics_port,
                                   self._health)
         self.heartbeat = Heartbeater(self._ctx, settings.router, settings.worker_id,
@@ -135,17 +143,29 @@ class WorkerService:
 
     def tick(self) -> None:
         """One turn of the loop (``run`` repeats it; tests drive it directly)."""
-        busy = self.engine.has_unfinished or len(self.incoming) or len(self.outgoing)
+        busy = self.engine.has_unfinished or self.num_arriving or len(self.outgoing)
         if not busy:
             self._poller.poll(IDLE_WAIT_MS if self._wakeable else IDLE_POLL_MS)
         self._read_control()
-        self._take_transfers()
+        if self.inbox is not None:
+            self.inbox.take()
         if self.engine.has_unfinished:
             self._send_updates(self.engine.step())
-        if self.sender is not None:
-            self._ship_handoffs()
-            self._settle_transfers()
+        if self.outbox is not None:
+            self.outbox.ship_pieces()  # this step's chunks go out while the next computes
+            self.outbox.ship_handoffs()
+            self.outbox.settle()
         self._report()
+
+    @property
+    def incoming(self):
+        """Whole transfers waiting for room (decode side; None on a prefill worker)."""
+        return None if self.inbox is None else self.inbox.incoming
+
+    @property
+    def num_arriving(self) -> int:
+        """Requests whose KV has arrived or is arriving but that do not run yet."""
+        return 0 if self.inbox is None else len(self.inbox)
 
     def _guarded(self, what: str, request_id: str | None, reply_to: str | None,
                  work: Callable[[], object], abort: bool = False) -> None:
@@ -170,6 +190,8 @@ class WorkerService:
         if request_id is None:
             return
         if abort:
+            if self.outbox is not None:
+                self.outbox.cancel(request_id)
             self.engine.abort(request_id)
             self.clock.forget(request_id)
         if reply_to is not None:
@@ -203,9 +225,11 @@ class WorkerService:
                          task.handoff_addr)
 
     def _on_abort(self, request_id: str) -> None:
-        if not self.outgoing.cancel(request_id):  # else the blocks stay lent until it ends
-            self.engine.abort(request_id)
-        self.incoming.abort(request_id)
+        if self.outbox is not None:  # its transfers keep the blocks they read until they end
+            self.outbox.cancel(request_id)
+        self.engine.abort(request_id)  # its own blocks, or its reservation of arriving KV
+        if self.inbox is not None:
+            self.inbox.abort(request_id)
         self.clock.forget(request_id)
 
     def _rejoin(self, lost_work: bool) -> None:
@@ -215,7 +239,8 @@ class WorkerService:
             log.warning("the router declared this worker dead: dropping in-flight work")
             for request_id in self.engine.request_ids():
                 self._on_abort(request_id)
-            self.incoming.clear()
+            if self.inbox is not None:
+                self.inbox.clear()
         else:
             log.info("the router is new: registering again, keeping %d requests",
                      len(self.engine.request_ids()))
@@ -248,104 +273,6 @@ class WorkerService:
                 self.clock.finish(self.clock.get(request_id), now, reason, self.metrics)
                 self._send_router(Finished(request_id, self.s.worker_id, FinishStage.REQUEST))
 
-    # ---- prefill side: shipping KV ----------------------------------------------------
-
-    def _ship_handoffs(self) -> None:
-        for h in self.engine.take_handoffs():
-            meta = self.clock.get(h.request_id)
-            if meta is None or meta.handoff_addr is None:
-                self.engine.abort(h.request_id)
-                continue
-            self._guarded("ship", h.request_id, meta.reply_to,
-                          lambda h=h, meta=meta: self._ship(h, meta.reply_to, meta.handoff_addr),
-                          abort=True)
-
-    def _ship(self, h: Handoff, reply_to: str, addr: str, attempt: int = 1) -> None:
-        """Send the request's blocks; they stay lent (allocated) until the transfer ends."""
-        transfer_id = f"{h.request_id}:{uuid.uuid4().hex[:8]}"
-        blocks = self.engine.export_blocks(h.block_ids)
-        header = to_wire(h, transfer_id, reply_to, self.engine.kv_layout, self.engine.block_nbytes)
-        self.sender.send(addr, header, blocks)
-        self.outgoing.open(transfer_id, h.request_id, sum(b.nbytes for b in blocks),
-                           attempt=attempt, resend=h, addr=addr)
-
-    def _settle_transfers(self) -> None:
-        for outcome in self.outgoing.settle(self.sender.poll_acks()):
-            self._end_transfer(outcome)
-        for outcome in self.outgoing.expire():
-            # It may still sit in the transport's queue: drop it there before the blocks
-            # are freed or resent, so no stale copy of reused blocks is ever delivered.
-            self.sender.abandon(outcome.addr)
-            self._end_transfer(outcome)
-
-    def _end_transfer(self, t: TransferOutcome) -> None:
-        if t.cancelled:  # aborted while in flight: the transport is done with the blocks now
-            self.engine.abort(t.request_id)
-            return
-        if t.retry and self._retry_transfer(t):
-            return
-        meta = self.clock.get(t.request_id)
-        self.engine.abort(t.request_id)  # frees the blocks: they stay in the prefix cache
-        self.clock.forget(t.request_id)
-        if t.ok:
-            self.metrics.kv_bytes.labels("sent").inc(t.nbytes)
-            self.metrics.kv_seconds.observe(t.seconds)
-            self._send_router(Finished(t.request_id, self.s.worker_id, FinishStage.PREFILL))
-            return
-        self.metrics.kv_failures.labels("send").inc()
-        error = f"KV transfer failed (attempt {t.attempt} of {self.outgoing.max_attempts}): {t.error}"
-        log.warning("%s: %s", t.request_id, error)
-        if meta is not None:
-            self.pushers.send(meta.reply_to, Tokens(t.request_id, 0, 1, [], error=error))
-        self._send_router(Finished(t.request_id, self.s.worker_id, FinishStage.PREFILL,
-                                   error=t.error))
-
-    def _retry_transfer(self, t: TransferOutcome) -> bool:
-        """Send a failed transfer's blocks again under a new id; False when the request is
-        gone (then the failure simply ends it)."""
-        meta = self.clock.get(t.request_id)
-        if meta is None or meta.handoff_addr is None:
-            return False
-        self.metrics.kv_failures.labels("retried").inc()
-        log.warning("KV transfer %s failed (%s): sending it again", t.transfer_id, t.error)
-        self._guarded("ship", t.request_id, meta.reply_to,
-                      lambda: self._ship(t.resend, meta.reply_to, meta.handoff_addr, t.attempt + 1),
-                      abort=True)
-        return True
-
-    # ---- decode side: taking KV in ----------------------------------------------------
-
-    def _take_transfers(self) -> None:
-        if self.receiver is None:
-            return
-        for transfer in self.receiver.poll(0):
-            problem = self.engine.kv_layout.mismatch(transfer.header.layout, transfer.header.kv_dtype)
-            self.receiver.ack(transfer, ok=problem is None, reason=problem or "")
-            if problem is not None:
-                self.metrics.kv_failures.labels("layout").inc()
-                self._fail(transfer.header.request_id, transfer.header.reply_to, problem)
-                continue
-            h = transfer.header
-            self.metrics.kv_bytes.labels("received").inc(h.num_blocks * h.block_nbytes)
-            self.incoming.arrive(transfer)
-        self.incoming.admit(self._admit)
-
-    def _admit(self, transfer: ReceivedTransfer) -> bool:
-        """True when the transfer is done with (admitted or failed), False to keep waiting."""
-        h = transfer.header
-        waiting = False
-
-        def admit() -> None:
-            nonlocal waiting
-            if not self.engine.add_prefilled(from_wire(h), transfer.blocks):
-                waiting = True  # no room yet: running requests will free blocks
-                return
-            self.clock.start(h.request_id, h.reply_to, len(h.prompt_token_ids),
-                             cached=h.num_cached_tokens, first_token_seen=True)
-
-        self._guarded("handoff", h.request_id, h.reply_to, admit)
-        return not waiting
-
     # ---- reporting ------------------------------------------------------------------
 
     def _register(self) -> None:
@@ -372,7 +299,7 @@ class WorkerService:
     def _update_gauges(self, stats) -> None:
         m = self.metrics
         m.running.set(stats.num_running)
-        m.waiting.set(stats.num_waiting + len(self.incoming))
+        m.waiting.set(stats.num_waiting + self.num_arriving)
         m.kv_usage.set(stats.kv_usage)
         seen = (stats.prefix_queries, stats.prefix_hits, stats.num_preemptions,
                 stats.num_draft_tokens, stats.num_accepted_tokens)

@@ -28,6 +28,8 @@ class WorkerSettings:
     # transport's frame timeout, 30 s for UCX, so a slow transfer is never freed mid-send)
     heartbeat_interval: float = 0.25
     kv_transfer_attempts: int = 2  # a failed transfer goes once more, same blocks, new id
+    kv_stream_chunks: bool = True  # prefill: ship each chunk's computed blocks while the next
+    # chunk computes (a prompt of one chunk goes in one transfer either way)
     kv_faults: FaultPlan | str | None = None  # TEST ONLY: injected transfer faults (a spec string
     # is parsed: see common.connector.faults); None, the default, injects nothing
 

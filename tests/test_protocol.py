@@ -21,6 +21,7 @@ from common.protocol import (
     KVAck,
     KVEvents,
     KVHandoff,
+    KVPiece,
     Message,
     Ping,
     ProtocolError,
@@ -78,6 +79,11 @@ EXAMPLES: list[Message] = [
     KVHandoff("xfer-1", "req-1", PROMPT, [450, 319], [LP, None],
               [None, b"\x01\x02\x03generator-state"], [True, False], PARAMS_N2,
               "tcp://10.0.0.5:7201", 8, 4, 131072, [30, 4, 3, 64, 2], "bfloat16"),
+    KVHandoff("s-1/final", "req-1", list(range(40)), [450], [None], [None], [False], PARAMS,
+              "tcp://10.0.0.5:7201", 0, 1, 131072, [30, 16, 3, 64, 2], "bfloat16",
+              "s-1", 2, 1),  # the final transfer of a stream whose one piece held blocks 0-1
+    KVPiece("s-1/0", "s-1", "req-1", 0, 0, 2, 40, 131072, [30, 16, 3, 64, 2], "bfloat16",
+            "tcp://10.0.0.5:7201"),
     KVAck("xfer-1", True),
     KVAck("xfer-1", False, "no free blocks"),
 ]
@@ -189,6 +195,10 @@ def test_top_level_must_be_a_three_item_array():
 
 SUBMIT = Submit("r", [1, 2], PARAMS, "tcp://x:1")
 HANDOFF = KVHandoff("t", "r", [1], [2], [None], [None], [False], SamplingParams(), "a", 0, 1, 8, [1, 2, 1, 1, 4], "float32")
+# 40 tokens in blocks of 16: blocks 0 and 1 are full, block 2 (8 tokens) is the last
+FINAL = KVHandoff("s/final", "r", list(range(40)), [2], [None], [None], [False], SamplingParams(),
+                  "a", 0, 1, 8, [1, 16, 1, 1, 4], "float32", "s", 2, 2)
+PIECE = KVPiece("s/1", "s", "r", 1, 1, 1, 40, 8, [1, 16, 1, 1, 4], "float32", "a")
 
 WRONG_TYPES = [
     # (message, field, bad value)  — one per kind of mistake
@@ -385,6 +395,23 @@ INCONSISTENT = [
     (HANDOFF, "finished", [True]),  # nothing left to decode
     (HANDOFF, "num_cached_tokens", 5),
     (HANDOFF, "prompt_token_ids", []),
+    (HANDOFF, "stream_id", "s"),  # a stream's final transfer without its pieces
+    (FINAL, "num_blocks", 3),  # blocks 0-1 came as pieces: only block 2 follows
+    (FINAL, "first_block", 0),  # pieces came, yet it starts at block 0
+    (FINAL, "first_block", 3),  # past the prompt's last block: nothing would follow
+    (FINAL, "num_pieces", 3),  # three pieces cannot have carried two blocks
+    (FINAL, "num_pieces", 0),
+    (FINAL, "stream_id", None),
+    (FINAL, "stream_id", ""),
+    (PIECE, "num_blocks", 2),  # blocks 1-2: block 2 is the prompt's last, it goes with the final
+    (PIECE, "num_blocks", 0),
+    (PIECE, "first_block", 0),  # piece 1 after a piece 0 of at least one block
+    (PIECE, "piece", -1),
+    (PIECE, "num_prompt_tokens", 32),  # 32 tokens: block 1 is the last, never a piece's
+    (PIECE, "layout", [1, 16, 1, 1]),
+    (PIECE, "kv_dtype", "int4"),
+    (PIECE, "block_nbytes", 0),
+    (PIECE, "stream_id", ""),
     (Tokens("r", 0, 0, [1, 2]), "logprobs", [[1, -0.5, []]]),  # one entry for two tokens
     (Tokens("r", 0, 0, []), "choice", -1),
     (Rejected("r", 429, "busy"), "status", 200),

@@ -46,7 +46,8 @@ PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks of 16
 class Harness:
     """One worker plus the sockets of everyone it talks to."""
 
-    def __init__(self, model_dir, role: WorkerRole, num_blocks: int = 64, **settings) -> None:
+    def __init__(self, model_dir, role: WorkerRole, num_blocks: int = 64, chunk: int = 512,
+                 **settings) -> None:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.bind("tcp://127.0.0.1:0")
@@ -55,7 +56,7 @@ class Harness:
         self.reply_to = self.gateway.getsockopt_string(zmq.LAST_ENDPOINT)
         config = EngineConfig(model=ModelConfig(path=str(model_dir)),
                               cache=CacheConfig(num_blocks=num_blocks),
-                              scheduler=SchedulerConfig(max_num_batched_tokens=512), threads=1)
+                              scheduler=SchedulerConfig(max_num_batched_tokens=chunk), threads=1)
         engine = Engine(config, loaded=loaded_model(model_dir), detokenize=False)
         self.worker = WorkerService(WorkerSettings(
             role, self.router.getsockopt_string(zmq.LAST_ENDPOINT), worker_id=f"{role.value}-t",
@@ -108,7 +109,7 @@ class Harness:
     def assert_idle(self) -> None:
         stats = self.worker.engine.stats()
         assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_blocks)
-        assert len(self.worker.incoming) == 0 and len(self.worker.outgoing) == 0
+        assert self.worker.num_arriving == 0 and len(self.worker.outgoing) == 0
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@
 ``KVTransport`` kinds; ``factory`` builds a transport's role; ``zmq`` and ``ucx`` are the
 transports; ``lease`` is the sender-side bookkeeping that decides when a prefill worker
 may free the blocks it shipped, ``transfers`` a worker's bookkeeping per direction
-(including the one retry of a failed transfer); ``faults`` is a TEST-ONLY sender wrapper
+(including the one retry of a failed transfer), ``streams`` the same for a prompt's KV
+shipped piece by piece as it is computed; ``faults`` is a TEST-ONLY sender wrapper
 that drops, truncates, corrupts or delays transfers on purpose (off unless asked for).
 """
 

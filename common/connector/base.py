@@ -38,9 +38,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from common.protocol import KVAck, KVHandoff
+from common.protocol import KVAck, KVHandoff, KVPiece, ProtocolError, decode
 
 MAX_BLOCK_FRAME_BYTES = 64 * 1024 * 1024
+
+# What a transfer's header may be: a whole transfer or a stream's final one (KVHandoff), or
+# a stream's earlier piece (KVPiece). Transports carry both alike; workers tell them apart.
+KVHeader = KVHandoff | KVPiece
 
 
 class KVTransport(str, Enum):
@@ -52,7 +56,7 @@ class KVTransport(str, Enum):
 
 @dataclass(slots=True)
 class ReceivedTransfer:
-    header: KVHandoff
+    header: KVHeader
     blocks: list[memoryview]  # num_blocks buffers of block_nbytes each, read-only
     peer: object  # transport-specific return address for the ack
 
@@ -62,7 +66,7 @@ class KVSender(Protocol):
     # transport has none (zmq delivers whole messages): a lease must outlast it.
     frame_timeout_s: float | None
 
-    def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
+    def send(self, addr: str, header: KVHeader, blocks: Sequence[memoryview]) -> None:
         """Queue one transfer to the receiver at ``addr``; returns at once."""
         ...
 
@@ -101,7 +105,17 @@ class KVReceiver(Protocol):
     def close(self) -> None: ...
 
 
-def check_transfer(header: KVHandoff, frames: Sequence[memoryview]) -> str | None:
+def decode_header(data: bytes | memoryview) -> KVHeader:
+    """A transfer's header from its bytes; ProtocolError unless it is a valid KV header.
+    Every transport's receiver decodes headers here, so a new header type needs no change
+    in any transport."""
+    header = decode(data)
+    if not isinstance(header, KVHandoff | KVPiece):
+        raise ProtocolError(f"expected kv_handoff or kv_piece, got {header.TAG}")
+    return header
+
+
+def check_transfer(header: KVHeader, frames: Sequence[memoryview]) -> str | None:
     """Why a transfer's frames do not match its header, or None when they do."""
     if header.num_blocks != len(frames):
         return f"expected {header.num_blocks} block frames, got {len(frames)}"

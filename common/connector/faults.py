@@ -15,6 +15,8 @@ Spec: comma-separated ``key=value`` pairs, every one optional::
                                     draw (F: drop, truncate, corrupt, delay or none)
 
 e.g. ``drop=0.05,truncate=0.05,corrupt=0.05,delay=0.05:0.5,seed=7`` or ``script=drop+none``.
+Each piece of a KV stream (``KVPiece``) is a transfer of its own, so it takes its own draw
+(a 101-token prompt in chunks of 32 is four transfers: ``script=none+drop`` drops piece 1).
 
 What each fault does, and what the other side sees:
 
@@ -41,8 +43,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from common.connector.base import KVSender
-from common.protocol import KVAck, KVHandoff, encode
+from common.connector.base import KVHeader, KVSender
+from common.protocol import KVAck, encode
 
 log = logging.getLogger("tandem.connector.faults")
 
@@ -127,7 +129,7 @@ class FaultPlan:
 class _Late:
     due: float
     addr: str
-    header: KVHandoff
+    header: KVHeader
     blocks: Sequence[memoryview]
 
 
@@ -148,7 +150,7 @@ class FaultySender:
         self._late: list[_Late] = []
         self.injected: Counter[Fault] = Counter()
 
-    def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
+    def send(self, addr: str, header: KVHeader, blocks: Sequence[memoryview]) -> None:
         self._send_due()
         fault = next(self._draws)
         if fault is None:

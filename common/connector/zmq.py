@@ -16,9 +16,15 @@ from collections.abc import Sequence
 
 import zmq
 
-from common.connector.base import MAX_BLOCK_FRAME_BYTES, ReceivedTransfer, check_transfer
+from common.connector.base import (
+    MAX_BLOCK_FRAME_BYTES,
+    KVHeader,
+    ReceivedTransfer,
+    check_transfer,
+    decode_header,
+)
 from common.connector.failures import ErrorHook, FailureLog, TransferFailure
-from common.protocol import KVAck, KVHandoff, ProtocolError, decode, encode
+from common.protocol import KVAck, ProtocolError, encode
 
 
 class ZmqSender:
@@ -29,7 +35,7 @@ class ZmqSender:
         self._sockets: dict[str, zmq.Socket] = {}
         self._failures = FailureLog(on_error)
 
-    def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
+    def send(self, addr: str, header: KVHeader, blocks: Sequence[memoryview]) -> None:
         self.send_encoded(addr, header.transfer_id, encode(header), blocks)
 
     def send_encoded(self, addr: str, transfer_id: str, head: bytes, blocks: Sequence[memoryview]) -> None:
@@ -109,11 +115,9 @@ class ZmqReceiver:
 
     def _accept(self, identity: bytes, head: memoryview, frames: list[memoryview]) -> ReceivedTransfer | None:
         try:
-            header = decode(head)
+            header = decode_header(head)
         except ProtocolError as e:
             return self._reject(identity, "", str(e))
-        if not isinstance(header, KVHandoff):
-            return self._reject(identity, "", f"expected kv_handoff, got {header.TAG}")
         problem = check_transfer(header, frames)
         if problem:
             return self._reject(identity, header.transfer_id, problem)

@@ -20,6 +20,7 @@ from common.config import EngineConfig, available_cpus
 from common.engine.block_pool import BlockPool, KVEvent
 from common.engine.cpu_share import CpuShare
 from common.engine.handoff import Handoff, KVLayout, build_handoff, live_seqs, rebuild_request
+from common.engine.intake import PrefilledIntake
 from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import FinishReason, Request, SeqStatus, Sequence, TokenLogprob
 from common.engine.runner import ModelRunner
@@ -119,6 +120,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.speculator = (Speculator(config.speculative, config.scheduler.max_num_batched_tokens,
                                       self.max_model_len) if config.speculative else None)
+        self.intake = PrefilledIntake(self.kv, self.runner, self.scheduler)
         self._requests: dict[str, _Tracked] = {}
         self._handoffs_taken: set[str] = set()
         self._ids = itertools.count()
@@ -159,7 +161,7 @@ class Engine:
         tracked = self._requests.pop(request_id, None)
         self._handoffs_taken.discard(request_id)
         if tracked is None:
-            return False
+            return self.intake.release(request_id)  # its KV was still arriving
         for seq in tracked.request.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
         return True
@@ -175,46 +177,76 @@ class Engine:
                 ready.append(build_handoff(request, self.kv.block_ids(detached)))
         return ready
 
-    def add_prefilled(self, handoff: Handoff, payload: list[memoryview]) -> bool:
-        """Take in a request prefilled elsewhere; False when the cache has no room yet.
+    def prefilling_blocks(self) -> list[tuple[str, list[int]]]:
+        """Prefill-only requests still computing their prompt, each with its full, computed
+        prompt blocks so far (never the prompt's last block): what a KV stream may ship
+        before the first token. A preempted request shows none until it is recomputed."""
+        out = []
+        for rid, tracked in self._requests.items():
+            request = tracked.request
+            seq = request.seqs[0]
+            if request.prefill_only and seq.status is SeqStatus.RUNNING \
+                    and seq.num_computed_tokens < seq.num_prompt_tokens:
+                full = seq.num_computed_tokens // self.block_size
+                out.append((rid, self.kv.block_ids(seq)[:full]))
+        return out
 
-        All or nothing: on any error (raised) the engine holds nothing of the request.
-        """
-        if handoff.request_id in self._requests:
-            raise InvalidRequestError(f"request id {handoff.request_id!r} is already in use")
-        request = rebuild_request(handoff, self._check_prompt(handoff.prompt_token_ids, handoff.params))
-        live = live_seqs(request)
-        if live and not self._take_blocks(live, len(handoff.prompt_token_ids), payload):
+    def lend_blocks(self, block_ids: list[int]) -> None:
+        """Keep blocks from reuse while a transfer reads them, whatever becomes of their
+        request (preempted, aborted, finished), until ``return_blocks``."""
+        self.kv.lend(block_ids)
+
+    def return_blocks(self, block_ids: list[int]) -> None:
+        self.kv.give_back(block_ids)
+
+    # ---- KV import (the decode side of a handoff): reserve → fill → commit -----------
+
+    def add_prefilled(self, handoff: Handoff, payload: list[memoryview]) -> bool:
+        """Take in a request prefilled elsewhere, its KV in one piece; False when the cache
+        has no room yet. All or nothing: on any error (raised) the engine holds nothing
+        of the request."""
+        request = self._rebuild(handoff)
+        if not live_seqs(request):
+            self._requests[request.request_id] = _Tracked(request)
+            return True
+        need = blocks_for_tokens(len(handoff.prompt_token_ids), self.block_size)
+        if len(payload) != need:
+            raise InvalidRequestError(f"{len(payload)} KV blocks sent for a prompt of {need}")
+        if not self.reserve_prefilled(handoff.request_id, len(handoff.prompt_token_ids)):
             return False
+        self.intake.commit(handoff, request, 0, payload)
         self._requests[request.request_id] = _Tracked(request)
         return True
 
-    def _take_blocks(self, live: list[Sequence], num_prompt: int, payload: list[memoryview]) -> bool:
-        parent = live[0]
-        need = blocks_for_tokens(num_prompt, self.block_size)
-        if need > self.pool.num_blocks:
-            raise InvalidRequestError(f"the prompt needs {need} KV blocks; this worker's cache "
-                                      f"has {self.pool.num_blocks}")
-        if len(payload) != need:
-            raise InvalidRequestError(f"{len(payload)} KV blocks sent for a prompt of {need}")
-        parent.num_computed_tokens = 0
-        if not self.kv.can_allocate(parent, num_prompt):
-            return False
-        self.kv.allocate(parent, num_prompt)
+    def reserve_prefilled(self, request_id: str, num_prompt_tokens: int) -> bool:
+        """Reserve every block of a prompt whose KV will arrive in pieces; False (nothing
+        taken) while the cache has no room."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        return self.intake.reserve(request_id, num_prompt_tokens)
+
+    def fill_prefilled(self, request_id: str, first_block: int, payload: list[memoryview]) -> None:
+        """Copy one piece's blocks into the request's reservation."""
+        self.intake.fill(request_id, first_block, payload)
+
+    def commit_prefilled(self, handoff: Handoff, first_block: int, payload: list[memoryview]) -> None:
+        """The final piece: the request joins the batch once every block is filled. On any
+        error (raised) its reservation is released and the engine holds nothing of it."""
         try:
-            self.runner.write_blocks(self.kv.block_ids(parent), payload)
+            request = self._rebuild(handoff)
         except BaseException:
-            self.kv.free(parent)
+            self.intake.release(handoff.request_id)
             raise
-        parent.num_computed_tokens = num_prompt
-        self.kv.cache_computed_blocks(parent)
-        for child in live[1:]:
-            self.kv.fork(parent, child)
-        now = time.monotonic()
-        for seq in live:
-            seq.first_token_time = now
-        self.scheduler.add_running(live)
-        return True
+        self.intake.commit(handoff, request, first_block, payload)
+        self._requests[request.request_id] = _Tracked(request)
+
+    def _rebuild(self, handoff: Handoff) -> Request:
+        if handoff.request_id in self._requests:
+            raise InvalidRequestError(f"request id {handoff.request_id!r} is already in use")
+        return rebuild_request(handoff, self._check_prompt(handoff.prompt_token_ids, handoff.params))
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     def request_ids(self) -> list[str]:
         return list(self._requests)

@@ -82,12 +82,14 @@ class KVLayout:
 
 
 def to_wire(h: Handoff, transfer_id: str, reply_to: str, layout: KVLayout,
-            block_nbytes: int) -> KVHandoff:
-    """The transfer header for a handoff whose blocks follow as ``len(h.block_ids)`` frames."""
+            block_nbytes: int, *, stream_id: str | None = None, first_block: int = 0,
+            num_pieces: int = 0) -> KVHandoff:
+    """The transfer header for a handoff whose blocks from ``first_block`` on follow as
+    frames (the stream ``stream_id``'s ``num_pieces`` pieces carried those before)."""
     return KVHandoff(transfer_id, h.request_id, h.prompt_token_ids, h.first_tokens,
                      h.first_logprobs, h.generator_states, h.finished, h.params, reply_to,
-                     h.num_cached_tokens, len(h.block_ids), block_nbytes, layout.as_list(),
-                     layout.kv_dtype)
+                     h.num_cached_tokens, len(h.block_ids) - first_block, block_nbytes,
+                     layout.as_list(), layout.kv_dtype, stream_id, first_block, num_pieces)
 
 
 def from_wire(header: KVHandoff) -> Handoff:

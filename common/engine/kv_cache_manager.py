@@ -4,6 +4,11 @@ The manager is the only caller of ``BlockPool``. It turns scheduler decisions ("
 sequence room for k more tokens") into block allocations, finds cached prefixes, shares
 blocks between forked sequences, and copies a shared partial block before a sequence
 writes into it (copy-on-write). The runner performs the copies it reports.
+
+Two holds that are not a running sequence's: a *reservation* (blocks for KV arriving from
+another worker, held under a key until a sequence adopts them or they are released) and a
+*lend* (an extra reference on blocks a transfer is reading, so neither a preemption nor an
+abort can hand them to someone else before the transfer ends).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self._tables: dict[str, _Table] = {}
+        self._reserved: dict[str, _Table] = {}  # by request id: KV still arriving
         self._copies: list[tuple[int, int]] = []  # (src, dst) block ids, for the runner
 
     def block_ids(self, seq: Sequence) -> list[int]:
@@ -122,6 +128,36 @@ class KVCacheManager:
         table = self._tables.pop(seq.seq_id, None)
         if table is not None:
             self.pool.free(reversed(table.blocks))
+
+    def reserve(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """Hold ``num_blocks`` fresh blocks for a request whose KV is arriving; their ids,
+        or None when too few are free."""
+        if request_id in self._reserved:
+            raise ValueError(f"{request_id!r} already holds a reservation")
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        table = self._reserved[request_id] = _Table(self.pool.allocate(num_blocks))
+        return [b.block_id for b in table.blocks]
+
+    def adopt(self, request_id: str, seq: Sequence) -> None:
+        """The request's reserved blocks become ``seq``'s (which holds none yet)."""
+        if seq.seq_id in self._tables:
+            raise ValueError(f"{seq.seq_id!r} already holds blocks")
+        self._tables[seq.seq_id] = self._reserved.pop(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Give back the request's reserved blocks; False when it holds none."""
+        table = self._reserved.pop(request_id, None)
+        if table is not None:
+            self.pool.free(reversed(table.blocks))
+        return table is not None
+
+    def lend(self, block_ids: list[int]) -> None:
+        """One more reference on each block, until ``give_back``: a transfer reads them."""
+        self.pool.touch(self.pool.blocks[i] for i in block_ids)
+
+    def give_back(self, block_ids: list[int]) -> None:
+        self.pool.free(reversed([self.pool.blocks[i] for i in block_ids]))
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []

@@ -4,7 +4,7 @@ and write them (loop thread only).
 Wire format, per transfer, on one endpoint (messages on the endpoint's own tag, which
 UCX delivers in order)::
 
-    8-byte little-endian header length | msgpack KVHandoff | block 0 | ... | block n-1
+    8-byte little-endian header length | msgpack KVHandoff or KVPiece | block 0 | ... | block n-1
 
 and acks travel back on the same endpoint as ``length | msgpack KVAck``. UCX does not
 report how many bytes a receive got, so the receiver probes each message's length
@@ -23,7 +23,7 @@ import numpy as np
 
 from common.connector.failures import log
 from common.connector.ucx.loop import ucxx
-from common.protocol import MAX_MESSAGE_BYTES, KVHandoff
+from common.protocol import MAX_MESSAGE_BYTES, KVHandoff, KVPiece
 
 _LEN = struct.Struct("<Q")
 FRAME_TIMEOUT_S = 30.0  # longest wait for the next frame of a transfer already begun
@@ -83,7 +83,7 @@ async def _recv_exact(ep: Any, nbytes: int, timeout: float, what: str, transfer_
     return buf
 
 
-async def recv_blocks(ep: Any, header: KVHandoff, timeout: float) -> list[memoryview]:
+async def recv_blocks(ep: Any, header: KVHandoff | KVPiece, timeout: float) -> list[memoryview]:
     """The transfer's block frames, each size-checked before its bytes are taken.
 
     Receives overlap: a frame is taken off the matching queue once probed, so the next

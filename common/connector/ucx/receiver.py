@@ -20,7 +20,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from common.connector.base import MAX_BLOCK_FRAME_BYTES, ReceivedTransfer, check_transfer
+from common.connector.base import (
+    MAX_BLOCK_FRAME_BYTES,
+    KVHeader,
+    ReceivedTransfer,
+    check_transfer,
+    decode_header,
+)
 from common.connector.failures import ErrorHook, FailureLog, TransferFailure, log
 from common.connector.ucx.framing import (
     FRAME_TIMEOUT_S,
@@ -35,7 +41,7 @@ from common.connector.ucx.framing import (
     send_in_order,
 )
 from common.connector.ucx.loop import TaskSet, UcxLoop, ucxx
-from common.protocol import KVAck, KVHandoff, ProtocolError, decode, encode
+from common.protocol import KVAck, ProtocolError, encode
 
 
 @dataclass(slots=True, eq=False)  # identity: kept in a set
@@ -163,14 +169,11 @@ class UcxReceiver:
         return ReceivedTransfer(header, blocks, conn)
 
     @staticmethod
-    def _decode_header(head: np.ndarray) -> KVHandoff:
+    def _decode_header(head: np.ndarray) -> KVHeader:
         try:
-            header = decode(memoryview(head))
+            return decode_header(memoryview(head))
         except ProtocolError as e:
             raise Malformed("", str(e)) from e
-        if not isinstance(header, KVHandoff):
-            raise Malformed("", f"expected kv_handoff, got {header.TAG}")
-        return header
 
     def _spawn_reply(self, conn: _Connection, reply: KVAck) -> None:
         if conn in self._connections:

@@ -32,7 +32,7 @@ from common.connector.ucx.framing import (
     send_in_order,
 )
 from common.connector.ucx.loop import TaskSet, UcxLoop, ucxx
-from common.protocol import MAX_MESSAGE_BYTES, KVAck, KVHandoff, encode
+from common.protocol import MAX_MESSAGE_BYTES, KVAck, KVHandoff, KVPiece, encode
 
 # ucxx's default. Dialling a dead port usually fails at once, but ucxx sometimes misses
 # the endpoint error and waits out this whole timeout instead.
@@ -70,7 +70,7 @@ class UcxSender:
         self._links: dict[str, _Link] = {}  # loop thread only
         self._closed = False
 
-    def send(self, addr: str, header: KVHandoff, blocks: Sequence[memoryview]) -> None:
+    def send(self, addr: str, header: KVHandoff | KVPiece, blocks: Sequence[memoryview]) -> None:
         head = encode(header)
         if len(head) > MAX_MESSAGE_BYTES:
             raise ValueError(f"header of {len(head)} bytes exceeds {MAX_MESSAGE_BYTES}")
