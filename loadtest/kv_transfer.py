@@ -97,7 +97,7 @@ LAYOUT = [30, 16, 3, 64, 4]  # layers, block size (tokens), kv heads, head dim, 
 def header(i: int, job: Job) -> KVHandoff:
     prompt = list(range(job.blocks * LAYOUT[1]))  # exactly fills job.blocks blocks
     return KVHandoff(f"bench-{i}", f"req-{i}", prompt, [7], [None], [None], [False],
-                     SamplingParams(), "", 0, job.blocks, job.block_bytes, LAYOUT)
+                     SamplingParams(), "", 0, job.blocks, job.block_bytes, LAYOUT, "float32")
 
 
 def run(args: argparse.Namespace) -> int:
