@@ -10,7 +10,9 @@ process, once per transport:
 * the baselines: raw ZeroMQ PUSH/PULL of the same multipart messages (header + 24
   blocks, ``copy=False``, high-water marks = window) over the same tcp/ipc; for ucx, raw
   ucxx tag sends of the same messages into receives all posted up front (no probing,
-  no checks, no thread hop), and the raw zmq tcp figure beside it.
+  no checks, no thread hop), the raw zmq tcp figure beside it, and ``ucx_perftest`` per
+  UCX transport configuration (``loadtest.ucx_perftest``), the best of which is the
+  "best raw UCX" figure the connector is held to.
 
 Each run starts a fresh receiver process and warms up (connection set up) before the
 clock starts. Connector and baseline runs alternate, and the ratio is the median of
@@ -39,6 +41,8 @@ import zmq
 
 from common.protocol import KVHandoff, encode
 from common.sampling_params import SamplingParams
+from loadtest.ucx_perftest import CONFIGS as PERFTEST_CONFIGS
+from loadtest.ucx_perftest import perftest_binary, perftest_mb_s
 
 NUM_BLOCKS = 24
 BLOCK_NBYTES = 30 * 2 * 16 * 3 * 64 * 4  # 737,280
@@ -84,6 +88,8 @@ class Row:
     vs_raw_zmq_tcp: float | None = None  # ucx only: median ratio against raw zmq tcp
     connector_runs: list[float] = field(default_factory=list)
     raw_runs: list[float] = field(default_factory=list)
+    perftest_mb_s: dict[str, float] = field(default_factory=dict)  # ucx only: median per config
+    vs_best_perftest: float | None = None  # ucx only: median ratio against that run's best config
 
 
 def source_blocks(n: int, nbytes: int) -> list[np.ndarray]:
@@ -97,7 +103,7 @@ LAYOUT = [30, 16, 3, 64, 4]  # layers, block size (tokens), kv heads, head dim, 
 def header(i: int, job: Job) -> KVHandoff:
     prompt = list(range(job.blocks * LAYOUT[1]))  # exactly fills job.blocks blocks
     return KVHandoff(f"bench-{i}", f"req-{i}", prompt, [7], [None], [None], [False],
-                     SamplingParams(), "", 0, job.blocks, job.block_bytes, LAYOUT)
+                     SamplingParams(), "", 0, job.blocks, job.block_bytes, LAYOUT, "float32")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,19 +126,34 @@ def _measure(transport: str, args: argparse.Namespace, blocks: list[np.ndarray])
     """Connector and baseline runs interleaved, so a busy moment hits both alike."""
     payload = args.transfers * args.blocks * args.block_bytes
     baselines = [("raw-ucxx", "ucx"), ("raw-zmq", "zmq-tcp")] if transport == "ucx" else [("raw-zmq", transport)]
-    runs: dict[str, list[float]] = {"connector": []} | {mode: [] for mode, _ in baselines}
+    if transport == "ucx" and perftest_binary() is not None:
+        baselines += [("perftest", label) for label in PERFTEST_CONFIGS]
+    runs: dict[str, list[float]] = {"connector": []} | {_key(m, w): [] for m, w in baselines}
     for i in range(args.repeat):
         for mode, where in [("connector", transport), *baselines]:
-            print(f"{transport}: {mode} run {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
-            runs[mode].append(payload / _one_run(mode, where, args, blocks) / 1e6)
+            print(f"{transport}: {_key(mode, where)} run {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
+            if mode == "perftest":
+                runs[_key(mode, where)].append(perftest_mb_s(where, args.block_bytes, args.transfers * args.blocks))
+            else:
+                runs[_key(mode, where)].append(payload / _one_run(mode, where, args, blocks) / 1e6)
     connector, (raw_mode, _) = runs["connector"], baselines[0]
     ratios = [c / r for c, r in zip(connector, runs[raw_mode], strict=True)]
     vs_tcp = None
     if transport == "ucx":
         vs_tcp = statistics.median(c / r for c, r in zip(connector, runs["raw-zmq"], strict=True))
     raw_name = "ucxx tag send/recv" if transport == "ucx" else f"zmq PUSH/PULL {transport[4:]}"
-    return Row(transport, statistics.median(connector), raw_name, statistics.median(runs[raw_mode]),
-               statistics.median(ratios), min(ratios), max(ratios), vs_tcp, connector, runs[raw_mode])
+    row = Row(transport, statistics.median(connector), raw_name, statistics.median(runs[raw_mode]),
+              statistics.median(ratios), min(ratios), max(ratios), vs_tcp, connector, runs[raw_mode])
+    perftest = {w: runs[_key(m, w)] for m, w in baselines if m == "perftest"}
+    if perftest:
+        row.perftest_mb_s = {label: statistics.median(r) for label, r in perftest.items()}
+        best = [max(per_run) for per_run in zip(*perftest.values(), strict=True)]
+        row.vs_best_perftest = statistics.median(c / b for c, b in zip(connector, best, strict=True))
+    return row
+
+
+def _key(mode: str, where: str) -> str:
+    return f"perftest {where}" if mode == "perftest" else mode
 
 
 def _print(rows: list[Row], args: argparse.Namespace) -> None:
@@ -146,6 +167,10 @@ def _print(rows: list[Row], args: argparse.Namespace) -> None:
         spread = f"({r.ratio_min:.2f}-{r.ratio_max:.2f})"
         print(f"{r.transport:<10} {r.connector_mb_s:>15.0f}   {r.raw:<20} {r.raw_mb_s:>9.0f} "
               f"{r.ratio:>5.2f}x  {spread:<13}{extra}")
+        if r.perftest_mb_s:
+            figures = ", ".join(f"{label} {mb:.0f}" for label, mb in r.perftest_mb_s.items())
+            print(f"{'':<10} ucx_perftest tag_bw MB/s by UCX config: {figures}; "
+                  f"connector {r.vs_best_perftest:.2f}x the best")
 
 
 def _have_ucxx() -> bool:

@@ -550,7 +550,7 @@ def test_ucx_transfer_cut_off_midway_is_dropped(ucx_harness: Harness) -> None:
     quitter = make_sender(KVTransport.UCX)
     try:
         cut = [struct.pack("<Q", len(head := encode(handoff("cut", 3, BLOCK)))), head, bytes(BLOCK)]
-        quitter._send_raw(h.receiver.address, "cut", cut)
+        quitter._send_raw(h.receiver.address, "cut", cut, commit=False)
         h.wait(lambda: len(h.receiver._connections) == 1, "the quitter's connection")
         quitter.close()  # gone after one of three blocks
         h.wait(lambda: not h.receiver._connections, "the receiver to drop the dead connection")
@@ -570,11 +570,38 @@ def ucx_impatient_harness() -> Iterator[Harness]:
 def test_ucx_stalled_transfer_is_nacked_after_the_frame_timeout(ucx_impatient_harness: Harness) -> None:
     h = ucx_impatient_harness
     assert h.receiver.frame_timeout_s == 0.3
-    h.raw_send("stall", encode(handoff("stall", 3, BLOCK)), [bytes(BLOCK)])  # 1 block of 3
+    head = encode(handoff("stall", 3, BLOCK))
+    h.sender._send_raw(h.receiver.address, "stall", [struct.pack("<Q", len(head)), head, bytes(BLOCK)],
+                       commit=False)  # 1 block of 3, and nothing after it
     h.wait(lambda: h.ack_for("stall") is not None and h.errors["receiver"], "nack for the stalled transfer")
     assert not h.received
     assert not h.ack_for("stall").ok and "did not arrive" in h.ack_for("stall").reason
     assert h.error_kinds("receiver") == ["bad_transfer"]
+
+
+def _raw_transfer(tid: str, blocks: list[np.ndarray]) -> list[bytes]:
+    head = encode(handoff(tid, len(blocks), BLOCK))
+    return [struct.pack("<Q", len(head)), head, *(b.tobytes() for b in blocks)]
+
+
+def test_ucx_transfer_without_its_commit_is_never_delivered(ucx_impatient_harness: Harness) -> None:
+    h = ucx_impatient_harness
+    h.sender._send_raw(h.receiver.address, "uncommitted", _raw_transfer("uncommitted", random_blocks(2, BLOCK, seed=1)),
+                       commit=False)  # every block, then nothing: as after an abandon
+    h.wait(lambda: h.ack_for("uncommitted") is not None and h.errors["receiver"],
+           "nack for the uncommitted transfer, and its report")
+    assert not h.received
+    assert not h.ack_for("uncommitted").ok and "commit did not arrive" in h.ack_for("uncommitted").reason
+    assert h.error_kinds("receiver") == ["bad_transfer"]
+
+
+def test_ucx_wrong_commit_is_refused(ucx_impatient_harness: Harness) -> None:
+    h = ucx_impatient_harness
+    messages = [*_raw_transfer("forged", random_blocks(2, BLOCK, seed=2)), b"NOTCOMIT"]
+    h.sender._send_raw(h.receiver.address, "forged", messages, commit=False)
+    h.wait(lambda: h.ack_for("forged") is not None, "nack for the forged commit")
+    assert not h.received
+    assert not h.ack_for("forged").ok and "expected the commit" in h.ack_for("forged").reason
 
 
 def test_ucx_unreachable_receiver_is_nacked_locally() -> None:

@@ -4,12 +4,19 @@ and write them (loop thread only).
 Wire format, per transfer, on one endpoint (messages on the endpoint's own tag, which
 UCX delivers in order)::
 
-    8-byte little-endian header length | msgpack KVHandoff or KVPiece | block 0 | ... | block n-1
+    8-byte little-endian header length | msgpack KVHandoff or KVPiece | block 0 | ... | block n-1 | COMMIT
 
 and acks travel back on the same endpoint as ``length | msgpack KVAck``. UCX does not
 report how many bytes a receive got, so the receiver probes each message's length
 before receiving it: a header or block of the wrong size is rejected (``Malformed``)
 before any memory is allocated for it.
+
+Why ``COMMIT``: the receiver may read the blocks straight out of the sender's memory
+(cma), and a sender whose lease expired frees them at once. UCX completes a block's send
+only once its bytes have been taken, so the sender posts ``COMMIT`` only after every
+block's send completed and only if the transfer was not abandoned meanwhile; the
+receiver delivers nothing before ``COMMIT``. Bytes read from freed blocks are never
+delivered.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from common.protocol import MAX_MESSAGE_BYTES, KVHandoff, KVPiece
 
 _LEN = struct.Struct("<Q")
 FRAME_TIMEOUT_S = 30.0  # longest wait for the next frame of a transfer already begun
+COMMIT = b"KVCOMMIT"  # a transfer's last message: every block was taken before any was freed
 _PROBE_MAX_SLEEP_S = 0.001  # probing backs off to this; frames of a transfer come in bursts
 
 
@@ -106,6 +114,17 @@ async def recv_blocks(ep: Any, header: KVHandoff | KVPiece, timeout: float) -> l
         await asyncio.gather(*receives, return_exceptions=True)
         raise
     return [memoryview(b).toreadonly() for b in bufs]
+
+
+async def recv_commit(ep: Any, timeout: float, transfer_id: str) -> None:
+    """The ``COMMIT`` that ends a transfer; anything else is ``Malformed``."""
+    got = await _next_length(ep, timeout, "commit", transfer_id)
+    if got != len(COMMIT):
+        raise Malformed(transfer_id, f"expected the commit, got a {got}-byte message")
+    buf = np.empty(len(COMMIT), dtype=np.uint8)
+    await ep.recv(buf)
+    if buf.tobytes() != COMMIT:
+        raise Malformed(transfer_id, "expected the commit, got other bytes")
 
 
 async def recv_length_prefix(ep: Any) -> int:

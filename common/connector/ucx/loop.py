@@ -9,6 +9,15 @@ per idle connection. So the context is created once, inside the shared loop, wit
 futures on; the notifier thread then inherits the loop thread's daemon flag and never
 holds up interpreter exit.
 
+Which transports UCX may use is fixed when the context is created, so ``UCX_OPTIONS``
+are passed then (a ``UCX_*`` environment variable of the same name still wins). Our
+endpoints are created with peer-failure handling (a dead peer must fail its transfers,
+not hang or abort the process), and in that mode UCX only puts rendezvous on a transport
+whose memory domain can invalidate remote access; cma claims that only when told to,
+so without ``CMA_MEMORY_INVALIDATE`` every block went through tcp on loopback.
+What invalidation would guard (a reader still copying blocks the sender has freed) the
+transfer's commit message guards instead (``framing``).
+
 Caveats: the loop thread and UCX do not survive ``fork`` (start workers with spawn), and
 ucxx's progress thread makes CUDA device 0 current at start, so on a GPU machine each
 process using this transport holds a CUDA context there.
@@ -35,6 +44,10 @@ try:
 except ImportError:  # the optional ``ucx`` extra is not installed
     ucxx = None
 
+# Context options (UCX_ prefix dropped). Peer-failure mode keeps the tcp lanes for
+# messages (the shared-memory fifos cannot detect a dead peer); this lets rendezvous,
+# i.e. every KV block, be read in place by the receiver over cma (one copy, no socket).
+UCX_OPTIONS = {"CMA_MEMORY_INVALIDATE": "y"}
 MISSING = "UCX transport needs the ucx extra: pip install 'tandem[ucx]'"
 CLOSE_TIMEOUT_S = 10.0
 
@@ -73,7 +86,7 @@ class UcxLoop:
         # Inside the loop thread, so ucxx binds its futures to this loop and its
         # notifier thread is a daemon like this one.
         with contextlib.suppress(RuntimeError):  # already initialised here: use that context
-            ucxx.init(enable_python_future=True)
+            ucxx.init(options=UCX_OPTIONS, env_takes_precedence=True, enable_python_future=True)
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = CLOSE_TIMEOUT_S) -> Any:
         """Run ``coro`` on the loop and wait for its result (never call from the loop)."""

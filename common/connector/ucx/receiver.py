@@ -36,6 +36,7 @@ from common.connector.ucx.framing import (
     framed,
     parse_address,
     recv_blocks,
+    recv_commit,
     recv_length_prefix,
     recv_message_body,
     send_in_order,
@@ -165,6 +166,7 @@ class UcxReceiver:
         problem = check_transfer(header, blocks)
         if problem:
             raise Malformed(tid, problem)
+        await recv_commit(ep, self.frame_timeout_s, tid)  # the sender freed nothing we read
         conn.mid_transfer = False
         return ReceivedTransfer(header, blocks, conn)
 

@@ -1,7 +1,9 @@
 """``UcxSender``: the prefill side of the UCX transport.
 
 One endpoint per receiver address, dialled on the first transfer to it; transfers to
-one address are sent in order, each as ``length | header | blocks`` (see ``framing``).
+one address are sent in order, each as ``length | header | blocks | COMMIT`` (see
+``framing``): ``COMMIT`` only once every block's send completed, and never for a transfer
+``abandon`` was called for before then, so a receiver never delivers blocks freed under it.
 The caller's thread only queues work for the process's UCX loop; acks come back through
 a thread-safe queue that ``poll_acks`` drains.
 
@@ -21,6 +23,7 @@ from typing import Any
 
 from common.connector.failures import ErrorHook, FailureLog, TransferFailure, log
 from common.connector.ucx.framing import (
+    COMMIT,
     FRAME_TIMEOUT_S,
     Malformed,
     as_bytes_view,
@@ -43,6 +46,8 @@ CONNECT_TIMEOUT_S = 5.0
 class _Outgoing:
     transfer_id: str
     messages: list[Any]  # length, header, blocks: held until their sends complete
+    abandons: int  # the address's abandon() count when queued: a later one cancels the commit
+    commit: bool = True  # False only for tests' hand-made transfers
 
 
 @dataclass(slots=True)
@@ -68,6 +73,10 @@ class UcxSender:
         self._failures = FailureLog(on_error)
         self._acks: queue.SimpleQueue[KVAck] = queue.SimpleQueue()
         self._links: dict[str, _Link] = {}  # loop thread only
+        # abandon() calls per address: bumped on the caller's thread before abandon returns
+        # (the caller frees the blocks right after), read on the loop thread before a
+        # commit. One dict operation each side, atomic under the GIL.
+        self._abandons: dict[str, int] = {}
         self._closed = False
 
     def send(self, addr: str, header: KVHandoff | KVPiece, blocks: Sequence[memoryview]) -> None:
@@ -97,23 +106,26 @@ class UcxSender:
 
     def abandon(self, addr: str) -> None:
         if not self._closed:
+            self._abandons[addr] = self._abandons.get(addr, 0) + 1  # first: see _abandons
             self._loop.call(self._abandon, addr)
 
-    def _send_raw(self, addr: str, transfer_id: str, messages: Sequence[Any]) -> None:
+    def _send_raw(self, addr: str, transfer_id: str, messages: Sequence[Any], commit: bool = True) -> None:
         """Queue raw messages as one transfer (``send`` builds them; tests craft bad ones)."""
         if self._closed:
             raise RuntimeError("sender is closed")
         parse_address(addr)  # a bad address is the caller's bug: say so now
-        item = _Outgoing(transfer_id, [as_bytes_view(m) for m in messages])
+        item = _Outgoing(transfer_id, [as_bytes_view(m) for m in messages], self._abandons.get(addr, 0), commit)
         self._loop.call(self._enqueue, addr, item)
+
+    def _abandoned_since(self, addr: str, item: _Outgoing) -> bool:
+        return self._abandons.get(addr, 0) != item.abandons
 
     # -- loop thread --
 
     def _abandon(self, addr: str) -> None:
         link = self._links.get(addr)
         if link is not None:  # closing the endpoint stops UCX reading the blocks
-            link.tasks.spawn(self._fail(link, TransferFailure.PEER_LOST,
-                                        f"ucx: transfers to {addr} abandoned (lease expired)"))
+            link.tasks.spawn(self._fail(link, TransferFailure.PEER_LOST, _abandoned(addr)))
 
     def _enqueue(self, addr: str, item: _Outgoing) -> None:
         if self._closed:
@@ -134,6 +146,11 @@ class UcxSender:
                 item: _Outgoing = await link.queue.get()
                 await send_in_order(link.ep, item.messages)
                 item.messages.clear()  # sent: the caller's blocks are no longer referenced
+                if self._abandoned_since(link.addr, item):  # its blocks may be reused already
+                    await self._fail(link, TransferFailure.PEER_LOST, _abandoned(link.addr))
+                    return
+                if item.commit:
+                    await send_in_order(link.ep, [COMMIT])
         except asyncio.CancelledError:
             raise
         except Exception as e:  # any failure ends this connection
@@ -189,3 +206,7 @@ class UcxSender:
             if link.ep is not None:
                 await close_endpoint(link.ep)  # first: stops UCX reading the blocks
             await link.tasks.cancel_all()
+
+
+def _abandoned(addr: str) -> str:
+    return f"ucx: transfers to {addr} abandoned (lease expired)"
