@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="closed loop: all requests at once, at most N in flight, e.g. 1,4,16")
     p.add_argument("--max-concurrency", type=int,
                    help="with --request-rates: most requests in flight at once")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="rounds of unmeasured requests before the first point, one a time, "
+                   "one per prompt length in the set (fresh text: no prefix-cache hits)")
     p.add_argument("--label", help="the series' name in plots and file names, e.g. P/D "
                    "(default: the served model)")
     p.add_argument("--output-dir", default="bench-sweep", help="where the JSON and PNGs go")
@@ -94,9 +97,11 @@ def run(args: argparse.Namespace) -> int:
     url, model = serve.target(args)
     label = args.label or model
     print(f"building {args.num_prompts} {args.dataset} prompts ...", file=sys.stderr, flush=True)
-    prompts = serve.build_prompts(args, serve.load_codec(args.tokenizer))
+    codec = serve.load_codec(args.tokenizer)
+    prompts = serve.build_prompts(args, codec)
     axis, points = shapes(args)
     print(f"sweeping {url} (model {model}) over {len(points)} points ...", file=sys.stderr, flush=True)
+    warm_up(args, url, model, codec, prompts)
     rows = run_points(args, url, model, prompts, axis, points)
     result = sweep_result(args, model, label, axis, rows)
     print(format_table(result))
@@ -107,6 +112,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path}")
     sweep_plots.write_plots([result, *compared], out, f"sweep-{slug(label)}")
     return 0 if any(row["summary"]["completed"] for row in rows) else 1
+
+
+def warm_up(args: argparse.Namespace, url: str, model: str, codec: serve.Codec,
+            prompts: list[Prompt]) -> None:
+    """Unmeasured requests first: a server's first passes at a shape (allocations, kernel
+    builds) would otherwise land in the first point's latencies."""
+    lengths = sorted({p.num_tokens for p in prompts})
+    warm = [serve.random_prompts(codec, 1, n, seed=args.seed + 1 + i)[0]  # other text
+            for _ in range(args.warmup) for i, n in enumerate(lengths)]
+    if warm:
+        print(f"warming up with {len(warm)} requests ...", file=sys.stderr, flush=True)
+        asyncio.run(serve.run_load(args, url, model, warm, LoadShape(math.inf, 1)))
 
 
 def run_points(args: argparse.Namespace, url: str, model: str, prompts: list[Prompt],
@@ -139,7 +156,7 @@ def point_line(s: dict[str, Any]) -> str:
 
 def sweep_result(args: argparse.Namespace, model: str, label: str, axis: str,
                  rows: list[dict[str, Any]]) -> dict[str, Any]:
-    skip = {"func", "api_key", "compare", "quiet", "output_dir", "label"}
+    skip = {"func", "api_key", "compare", "quiet", "output_dir", "label"}  # not the workload
     settings = {k: v for k, v in vars(args).items() if k not in skip}
     settings["model"] = model
     return {"format": sweep_plots.FORMAT, "label": label, "axis": axis, "settings": settings,
@@ -174,10 +191,16 @@ def format_table(result: dict[str, Any]) -> str:
     slo = result["settings"]["slo"]
     if best is None:
         lines.append("no SLO given: no goodput")
+    elif best["goodput"] == 0:
+        lines.append(f"no request met every SLO ({_limits(slo)}) at any {axis}")
     else:
-        limits = ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
-        lines.append(f"best goodput {best['goodput']:.2f} req/s at {axis} {best['x']:g} ({limits})")
+        lines.append(f"best goodput {best['goodput']:.2f} req/s at {axis} {best['x']:g} "
+                     f"({_limits(slo)})")
     return "\n".join(lines + ["=" * len(head)])
+
+
+def _limits(slo: dict[str, float]) -> str:
+    return ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
 
 
 def _num(value: float | None, digits: int) -> str:

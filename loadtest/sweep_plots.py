@@ -175,10 +175,14 @@ def _goodput(ax: Any, series: list[dict[str, Any]], workload: str) -> None:
         # wide and pale, so that it shows beneath goodput where every request met the SLOs
         ax.plot(xs, [p["summary"]["request_throughput"] for p in s["points"]], "-",
                 color=f"C{i}", alpha=0.25, linewidth=6, label=f"{s['label']} completed")
-        if s["best"] is not None:
+        best = s["best"]
+        if best is not None:
+            note = (f"best {best['goodput']:.2f} at {best['x']:g}" if best["goodput"]
+                    else "no request met the SLOs")
             ax.plot(xs, [p["summary"]["goodput"] for p in s["points"]], "o-", color=f"C{i}",
-                    label=f"{s['label']} goodput (best {s['best']['goodput']:.2f} at {s['best']['x']:g})")
-            ax.plot([s["best"]["x"]], [s["best"]["goodput"]], "*", color=f"C{i}", markersize=14)
+                    label=f"{s['label']} goodput ({note})")
+            if best["goodput"]:
+                ax.plot([best["x"]], [best["goodput"]], "*", color=f"C{i}", markersize=14)
     if series[0]["axis"] == "request_rate":
         xs = sorted({x for s in series for x in _xs(s)})
         ax.plot(xs, xs, ":", color="gray", label="offered load")
