@@ -98,11 +98,12 @@ def run(args: argparse.Namespace) -> int:
     label = args.label or model
     print(f"building {args.num_prompts} {args.dataset} prompts ...", file=sys.stderr, flush=True)
     codec = serve.load_codec(args.tokenizer)
-    prompts = serve.build_prompts(args, codec)
     axis, points = shapes(args)
+    prompt_sets = [serve.build_prompts(with_seed(args, args.seed + i), codec)
+                   for i in range(len(points))]
     print(f"sweeping {url} (model {model}) over {len(points)} points ...", file=sys.stderr, flush=True)
-    warm_up(args, url, model, codec, prompts)
-    rows = run_points(args, url, model, prompts, axis, points)
+    warm_up(args, url, model, codec, prompt_sets[0], first_seed=args.seed + len(points))
+    rows = run_points(args, url, model, prompt_sets, axis, points)
     result = sweep_result(args, model, label, axis, rows)
     print(format_table(result))
     out = Path(args.output_dir)
@@ -114,29 +115,40 @@ def run(args: argparse.Namespace) -> int:
     return 0 if any(row["summary"]["completed"] for row in rows) else 1
 
 
+def with_seed(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    """Each point's own prompts (same lengths, other text): with one set for all, every
+    point after the first would hit the server's prefix cache and look fast."""
+    return argparse.Namespace(**{**vars(args), "seed": seed})
+
+
 def warm_up(args: argparse.Namespace, url: str, model: str, codec: serve.Codec,
-            prompts: list[Prompt]) -> None:
+            prompts: list[Prompt], first_seed: int) -> None:
     """Unmeasured requests first: a server's first passes at a shape (allocations, kernel
-    builds) would otherwise land in the first point's latencies."""
+    builds) would otherwise land in the first point's latencies. Seeds from ``first_seed``
+    on, which no point uses, so that no point's prompts are cached by them."""
     lengths = sorted({p.num_tokens for p in prompts})
-    warm = [serve.random_prompts(codec, 1, n, seed=args.seed + 1 + i)[0]  # other text
-            for _ in range(args.warmup) for i, n in enumerate(lengths)]
+    seeds = iter(range(first_seed, first_seed + args.warmup * len(lengths)))
+    warm = [serve.random_prompts(codec, 1, n, seed=next(seeds))[0]
+            for _ in range(args.warmup) for n in lengths]
     if warm:
         print(f"warming up with {len(warm)} requests ...", file=sys.stderr, flush=True)
         asyncio.run(serve.run_load(args, url, model, warm, LoadShape(math.inf, 1)))
 
 
-def run_points(args: argparse.Namespace, url: str, model: str, prompts: list[Prompt],
+def run_points(args: argparse.Namespace, url: str, model: str, prompt_sets: list[list[Prompt]],
                axis: str, points: list[LoadShape]) -> list[dict[str, Any]]:
+    """Every point in turn, each with its own prompts; arrivals keep ``args.seed``'s
+    pattern, so that points differ in rate only."""
     bars = Progress(len(points), enabled=not args.quiet and sys.stderr.isatty())
     rows = []
-    for shape in points:
+    for i, (shape, prompts) in enumerate(zip(points, prompt_sets, strict=True)):
         x = point_x(axis, shape)
         with bars.point(f"{AXES[axis]} {x:g}", len(prompts)) as on_done:
             records, duration = asyncio.run(serve.run_load(args, url, model, prompts, shape, on_done))
         summary = serve.summarize(records, duration, args.slo)
         rows.append({"x": x, "request_rate": None if math.isinf(shape.rate) else shape.rate,
-                     "max_concurrency": shape.concurrency, "summary": summary})
+                     "max_concurrency": shape.concurrency, "prompt_seed": args.seed + i,
+                     "summary": summary})
         if not args.quiet:
             bars.write(f"{AXES[axis]} {x:g}: {point_line(summary)}")
     bars.close()

@@ -55,6 +55,8 @@ def easy(cluster, tiny_model_dir, tmp_path_factory) -> Path:
     path = run_sweep(cluster, tiny_model_dir, tmp_path_factory.mktemp("easy"), "P/D", EASY)
     # every point's requests, plus one unmeasured warm-up (one prompt length, one round)
     wait_for(lambda: served(cluster) - before == len(RATES) * N + 1, "the gateway's count")
+    # each point (and the warm-up) sends its own text: no point rides an earlier one's cache
+    assert cluster.workers_total("tandem:prefix_cache_hits_total") == 0
     return path
 
 
@@ -66,6 +68,7 @@ def test_json_has_every_point_with_consistent_numbers(easy: Path) -> None:
     assert result["settings"]["num_prompts"] == N and result["settings"]["model"]
     assert [p["x"] for p in result["points"]] == RATES
     assert [p["request_rate"] for p in result["points"]] == RATES
+    assert [p["prompt_seed"] for p in result["points"]] == [0, 1]
     for point in result["points"]:
         s = point["summary"]
         assert (s["completed"], s["failed"], s["good_requests"]) == (N, 0, N)
