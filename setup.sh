@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Sets Tandem up on a fresh machine: a virtual environment in .venv holding Tandem, its
 # dependencies and the default model (SmolLM2-135M-Instruct, converted once to fp32
-# safetensors), plus the compiled CPU kernels. `--dev` adds the test tools.
+# safetensors), plus the compiled CPU kernels and the benchmarks' plotting (the `bench`
+# extra). `--dev` adds the test tools.
 # Safe to rerun: finished steps are quick no-ops.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-extras=""
+extras="[bench]"
 for arg in "$@"; do
   case "$arg" in
     --dev) extras="[dev,ucx,loadtest]" ;;

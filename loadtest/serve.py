@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,6 +41,17 @@ _FIT_ATTEMPTS = 50
 # ---- command line ------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p)
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second (inf: send all at once)")
+    p.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
+    p.add_argument("--json", help="write the summary and per-request records here")
+    p.set_defaults(func=run)
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The server, the prompt set and the request body: what every load shape shares
+    (``tandem bench sweep`` reuses these and brings its own rates)."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", help="model id to request (default: the first of GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -55,9 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-len", type=int, default=2000, help="mixed: tokens of a long prompt")
     p.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long prompts")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrivals per second (inf: send all at once)")
-    p.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--extra-body", type=json_object, default={},
                    help='JSON merged into every request body, e.g. \'{"ignore_eos": true}\'')
@@ -66,8 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as a bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--json", help="write the summary and per-request records here")
-    p.set_defaults(func=run)
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -276,12 +282,28 @@ def arrival_gaps(num: int, rate: float, rng: random.Random) -> list[float]:
     return [0.0] + [rng.expovariate(rate) for _ in range(num - 1)]
 
 
-async def run_load(args: argparse.Namespace, url: str, model: str,
-                   prompts: Sequence[Prompt]) -> tuple[list[Record], float]:
-    in_flight = args.max_concurrency or len(prompts)
+@dataclass(frozen=True, slots=True)
+class LoadShape:
+    """How requests arrive: Poisson at ``rate`` per second (inf: all at once), at most
+    ``concurrency`` in flight (None: no cap)."""
+
+    rate: float = math.inf
+    concurrency: int | None = None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> LoadShape:
+        return cls(args.request_rate, args.max_concurrency)
+
+
+async def run_load(args: argparse.Namespace, url: str, model: str, prompts: Sequence[Prompt],
+                   shape: LoadShape, on_done: Callable[[Record], None] | None = None,
+                   ) -> tuple[list[Record], float]:
+    """Send every prompt in ``shape``; ``on_done`` hears of each request as it ends
+    (a progress bar). Returns the records in prompt order and the seconds it all took."""
+    in_flight = shape.concurrency or len(prompts)
     gate = asyncio.Semaphore(in_flight)
     records = [Record(p.num_tokens) for p in prompts]
-    gaps = arrival_gaps(len(prompts), args.request_rate, random.Random(args.seed))
+    gaps = arrival_gaps(len(prompts), shape.rate, random.Random(args.seed))
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits,
                                  headers=auth_headers(args.api_key)) as client:
@@ -289,6 +311,8 @@ async def run_load(args: argparse.Namespace, url: str, model: str,
         async def one(prompt: Prompt, record: Record) -> None:
             async with gate:
                 await send(client, url, request_body(args, model, prompt), record)
+            if on_done is not None:
+                on_done(record)
 
         start = time.perf_counter()
         tasks = []
@@ -328,9 +352,10 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 def stats_ms(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
-        return {"mean": None, "median": None, "p99": None}
+        return {"mean": None, "median": None, "p90": None, "p99": None}
     ms = [v * 1e3 for v in values]
-    return {"mean": statistics.fmean(ms), "median": percentile(ms, 50), "p99": percentile(ms, 99)}
+    return {"mean": statistics.fmean(ms), "median": percentile(ms, 50),
+            "p90": percentile(ms, 90), "p99": percentile(ms, 99)}
 
 
 def meets_slos(record: Record, slos: dict[str, float]) -> bool:
@@ -384,14 +409,19 @@ def format_summary(s: dict[str, Any]) -> str:
 
 # ---- entry point -------------------------------------------------------------------------
 
-def run(args: argparse.Namespace) -> int:
+def target(args: argparse.Namespace) -> tuple[str, str]:
+    """The URL to post to and the model to name (asked of the server when not given)."""
     base = args.base_url.rstrip("/")
     model = args.model or first_model(base, args.api_key)
-    url = base + ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions")
+    return base + ("/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"), model
+
+
+def run(args: argparse.Namespace) -> int:
+    url, model = target(args)
     print(f"building {args.num_prompts} {args.dataset} prompts ...", file=sys.stderr, flush=True)
     prompts = build_prompts(args, load_codec(args.tokenizer))
     print(f"sending them to {url} (model {model}) ...", file=sys.stderr, flush=True)
-    records, duration = asyncio.run(run_load(args, url, model, prompts))
+    records, duration = asyncio.run(run_load(args, url, model, prompts, LoadShape.of(args)))
     summary = summarize(records, duration, args.slo)
     print(format_summary(summary))
     if args.json:

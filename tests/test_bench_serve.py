@@ -116,8 +116,8 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 def test_stats_ms_converts_seconds() -> None:
     assert serve.stats_ms([0.1, 0.2, 0.3]) == pytest.approx(
-        {"mean": 200.0, "median": 200.0, "p99": 298.0})
-    assert serve.stats_ms([]) == {"mean": None, "median": None, "p99": None}
+        {"mean": 200.0, "median": 200.0, "p90": 280.0, "p99": 298.0})
+    assert serve.stats_ms([]) == {"mean": None, "median": None, "p90": None, "p99": None}
 
 
 def _records() -> list[Record]:
