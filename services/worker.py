@@ -3,7 +3,9 @@
 - ``prefill``: runs prompts (chunked, prefix-cached), sends each first token straight to
   the gateway, ships the KV to the decode worker the router chose, and frees it on ack.
 - ``decode``: takes prefilled requests from the KV receiver into its running batch and
-  streams the remaining tokens to the gateway.
+  streams the remaining tokens to the gateway; a task without a handoff (the router chose
+  to prefill it here: conditional disaggregation) it runs whole, its prompt in small chunks
+  (``--decode-prefill-budget``), and reports ``Finished(prefill)`` at its first token.
 - ``colocated``: both, in one engine, no transfer (the baseline, and small deployments).
 
 The loop: read control messages → take arrived KV → step the engine → send tokens →
@@ -48,6 +50,7 @@ from common.protocol import (
 )
 from common.roles import FinishStage, WorkerRole
 from services.heartbeat import Heartbeater
+from services.worker_rates import WorkRates
 from services.worker_requests import GatewayPushers, RequestClock
 from services.worker_settings import WorkerSettings, check_lease, warn_faults
 
@@ -93,6 +96,7 @@ class WorkerService:
             self._poller.register(wakeup, zmq.POLLIN)
         self._wakeable = self.receiver is None or wakeup is not None
         self._stats_seen = (0, 0, 0, 0, 0)
+        self.rates = WorkRates()
         self._stopping = False
 
     def _connector_error(self, kind: str, detail: str) -> None:
@@ -141,11 +145,19 @@ class WorkerService:
         self._read_control()
         self._take_transfers()
         if self.engine.has_unfinished:
-            self._send_updates(self.engine.step())
+            self._send_updates(self._timed_step())
         if self.sender is not None:
             self._ship_handoffs()
             self._settle_transfers()
         self._report()
+
+    def _timed_step(self) -> list[SeqUpdate]:
+        before, start = self.engine.stats().num_computed_tokens, time.monotonic()
+        updates = self.engine.step()
+        tokens = self.engine.stats().num_computed_tokens - before
+        self.rates.observe_step(time.monotonic() - start, tokens,
+                                prefill_only=self.s.role is WorkerRole.PREFILL)
+        return updates
 
     def _guarded(self, what: str, request_id: str | None, reply_to: str | None,
                  work: Callable[[], object], abort: bool = False) -> None:
@@ -235,7 +247,10 @@ class WorkerService:
             meta = self.clock.get(u.request_id)
             if meta is None:
                 continue
+            first = meta.first_token is None
             self.clock.observe_token(meta, u, now, self.metrics)
+            if first and self.s.role is WorkerRole.DECODE:  # a prompt prefilled here is done
+                self._send_router(Finished(u.request_id, self.s.worker_id, FinishStage.PREFILL))
             self.pushers.send(meta.reply_to, Tokens(
                 u.request_id, u.choice, u.index, u.token_ids, u.logprobs or None,
                 u.finish_reason, meta.num_prompt_tokens, u.num_cached_tokens))
@@ -290,6 +305,8 @@ class WorkerService:
         if t.ok:
             self.metrics.kv_bytes.labels("sent").inc(t.nbytes)
             self.metrics.kv_seconds.observe(t.seconds)
+            e = self.engine
+            self.rates.observe_transfer(t.seconds, t.nbytes, e.block_nbytes / e.block_size)
             self._send_router(Finished(t.request_id, self.s.worker_id, FinishStage.PREFILL))
             return
         self.metrics.kv_failures.labels("send").inc()
@@ -365,8 +382,10 @@ class WorkerService:
                                        [ev.block_hash for ev in events if not ev.stored]))
         stats = self.engine.stats()
         self._update_gauges(stats)
+        r = self.rates
         self.heartbeat.snapshot = Heartbeat(self.s.worker_id, stats.num_running, stats.num_waiting,
-                                            stats.num_free_blocks, stats.num_blocks)
+                                            stats.num_free_blocks, stats.num_blocks, r.step_seconds,
+                                            r.prefill_s_per_token, r.transfer_s_per_token)
         self.heartbeat.last_tick = time.monotonic()
 
     def _update_gauges(self, stats) -> None:

@@ -19,8 +19,12 @@ The rule, in order (``auto``):
 
 from __future__ import annotations
 
+import argparse
 import enum
 from dataclasses import dataclass
+from typing import Protocol
+
+from common.flags import default_of, env
 
 
 class DisaggMode(str, enum.Enum):
@@ -95,3 +99,51 @@ class DisaggRule:
         if c.prompt_tokens * c.transfer_s_per_token >= c.local_uncached * c.prefill_s_per_token:
             return Decision(Where.LOCAL, "link")
         return Decision(Where.REMOTE, "long")
+
+
+# Until a prefill worker has measured them: the link as the default model's fp32 KV
+# (46,080 bytes a token) over zmq-tcp on one host (2.3 GB/s), the compute as one CPU core
+# prefilling about 1,000 tokens a second. Either is replaced by the first measurement.
+DEFAULT_TRANSFER_S_PER_TOKEN = 46_080 / 2.3e9
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
+
+
+class _Rates(Protocol):
+    transfer_s_per_token: float | None
+    prefill_s_per_token: float | None
+
+
+def default_costs(worker: _Rates | None) -> tuple[float, float]:
+    """(transfer, prefill) seconds per token: the worker's measurements, else the defaults."""
+    transfer = worker.transfer_s_per_token if worker is not None else None
+    prefill = worker.prefill_s_per_token if worker is not None else None
+    return (DEFAULT_TRANSFER_S_PER_TOKEN if transfer is None else transfer,
+            prefill or DEFAULT_PREFILL_S_PER_TOKEN)  # 0 would make every prompt "link"
+
+
+# ---- flags: the router's, and ``tandem up`` forwards them to its router ----------------
+
+def add_disagg_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--disagg-mode", default=env("disagg_mode", default_of(DisaggRule, "mode").value),
+                   choices=[m.value for m in DisaggMode],
+                   help="where a P/D cluster prefills a prompt: auto (per request: short prompts, "
+                        "or any when the prefill queue is long, on the decode worker itself), "
+                        "always (on a prefill worker), never (on the decode worker)")
+    p.add_argument("--disagg-max-local-prefill", type=int, metavar="TOKENS",
+                   default=env("disagg_max_local_prefill", default_of(DisaggRule, "max_local_prefill"), int),
+                   help="auto: prompts with at most this many uncached tokens prefill on the decode worker")
+    p.add_argument("--disagg-prefill-queue-tokens", type=int, metavar="TOKENS",
+                   default=env("disagg_prefill_queue_tokens",
+                               default_of(DisaggRule, "prefill_queue_tokens"), int),
+                   help="auto: above this many prompt tokens queued on the prefill worker, longer "
+                        "prompts prefill on the decode worker too, when it would start them sooner")
+
+
+def disagg_rule(args: argparse.Namespace) -> DisaggRule:
+    return DisaggRule(args.disagg_mode, args.disagg_max_local_prefill, args.disagg_prefill_queue_tokens)
+
+
+def disagg_argv(args: argparse.Namespace) -> list[str]:
+    return ["--disagg-mode", str(args.disagg_mode),
+            "--disagg-max-local-prefill", str(args.disagg_max_local_prefill),
+            "--disagg-prefill-queue-tokens", str(args.disagg_prefill_queue_tokens)]
