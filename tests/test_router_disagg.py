@@ -220,7 +220,8 @@ def test_short_prompt_prefills_on_the_decode_worker_and_long_on_the_prefill_work
 
 def test_a_long_queue_on_the_prefill_worker_sends_long_prompts_local():
     async def main():
-        async with router(disagg=DisaggRule(max_local_prefill=16, prefill_queue_tokens=30)) as c:
+        rule = DisaggRule(max_local_prefill=16, prefill_queue_tokens=30)
+        async with router(disagg=rule, token_budget=100) as c:
             p, d, gw = await pd(c)
             await gw.send(submit("a", LONG))  # the queue was empty: remote
             assert (await p.expect(Task)).handoff_addr == "tcp://d1:7300"
@@ -228,6 +229,11 @@ def test_a_long_queue_on_the_prefill_worker_sends_long_prompts_local():
             assert (await d.expect(Task)).handoff_addr is None
             await gw.send(submit("c", [t + 2000 for t in LONG]))  # d has 40 of its own now: tie
             assert (await d.expect(Task)).request_id == "c"
+            # d would hold 120 > the token budget of 100: remote, though p is as busy
+            await gw.send(submit("d", [t + 3000 for t in LONG]))
+            assert (await p.expect(Task)).request_id == "d"
+            reg = c.service.registry.workers
+            assert (reg["p1"].outstanding_tokens, reg["d1"].outstanding_tokens) == (80, 80)
 
     asyncio.run(main())
 

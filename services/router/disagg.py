@@ -15,6 +15,8 @@ The rule, in order (``auto``):
 4. moving the prompt's KV costs more than computing it on the decode worker
    (tokens × transfer s/token ≥ uncached × prefill s/token) → local (link);
 5. otherwise → remote.
+Before the rule, the router gives a decode worker's own prompts the prefill workers' token
+budget (``--prefill-token-budget``): past it, a prompt goes remote (or waits in the queue).
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ from services.router.policies import (
     decode_policy,
     place,
     prefill_policy,
+    within_token_budget,
 )
 from services.router.prefix_index import PrefixIndex
 from services.router.registry import Registry, WorkerInfo
@@ -126,6 +127,7 @@ class RouterService:
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
         self._decode_steps = decode_policy()
+        self._local_budget = within_token_budget(settings.token_budget)  # a decode worker's own prompts
         self._ctx = zmq.asyncio.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reclaims its identity
@@ -324,19 +326,24 @@ class RouterService:
             return False
         # Only a decode worker prefills "locally": a colocated one is a prefill worker too,
         # already passed over (or over its budget) above.
-        if decode.worker.role is WorkerRole.DECODE and self._where(req, chosen, decode) is Where.LOCAL:
+        if decode.worker.role is WorkerRole.DECODE and await self._where(req, chosen, decode) is Where.LOCAL:
             return await self._assign(routed, req, decode.worker, decode.cached_tokens, decode.worker)
         if chosen is None:
             return False
         return await self._assign(routed, req, chosen.worker, chosen.cached_tokens, decode.worker)
 
-    def _where(self, req: PlacementRequest, chosen: Candidate | None, decode: Candidate) -> Where:
+    async def _where(self, req: PlacementRequest, chosen: Candidate | None, decode: Candidate) -> Where:
         """Prefill on ``chosen`` (remote) or on the decode worker itself (local)."""
         rule = self.settings.disagg
         if rule.mode is DisaggMode.ALWAYS:
             return Where.REMOTE  # no costs to gather
         decode.cached_tokens = min(self.index.matched_blocks(decode.worker.worker_id, req.block_hashes)
                                    * req.block_size, req.num_prompt_tokens)
+        if rule.mode is DisaggMode.AUTO and not await self._local_budget(req, [decode]):
+            # It holds a prefill worker's budget of prompts already: no more, or a flood
+            # would pass the admission queue by.
+            self._prefill_choices.labels(Where.REMOTE.value, "budget").inc()
+            return Where.REMOTE
         transfer, prefill = default_costs(chosen.worker if chosen else None)
         decision = rule.decide(PrefillCosts(
             req.num_prompt_tokens, req.num_prompt_tokens - decode.cached_tokens,
