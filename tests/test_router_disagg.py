@@ -53,6 +53,9 @@ def costs(prompt=2000, local=None, local_queue=0, remote=None, queue=0,
     (costs(prompt=256), Decision(LOCAL, "short")),  # at the threshold
     (costs(prompt=257), Decision(REMOTE, "long")),  # one over
     (costs(prompt=2000, local=200), Decision(LOCAL, "short")),  # the decode worker's cache
+    (costs(prompt=256, local_queue=1), Decision(REMOTE, "long")),  # the prefill worker is idler
+    (costs(prompt=256, local_queue=300, queue=300), Decision(LOCAL, "short")),  # as busy: local
+    (costs(prompt=256, local_queue=300, queue=299), Decision(REMOTE, "long")),
     (costs(prompt=2000, remote=100), Decision(REMOTE, "long")),  # the prefill worker's cache
     (costs(queue=1000), Decision(REMOTE, "long")),  # a queue at the threshold is not over it
     (costs(queue=1001), Decision(LOCAL, "queue")),  # over it: the decode worker starts sooner

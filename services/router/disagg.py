@@ -9,9 +9,12 @@ router gathers the inputs (``PrefillCosts``), the rule returns a ``Decision``.
 
 The rule, in order (``auto``):
 1. no prefill worker can take the prompt now (all over their token budget) → local;
-2. at most ``max_local_prefill`` uncached tokens on the decode worker → local (short);
-3. the prefill queue is over ``prefill_queue_tokens`` and the decode worker would start
-   the prompt no later (its own queue + the prompt ≤ the remote queue + the prompt) → local;
+2. at most ``max_local_prefill`` uncached tokens on the decode worker, and the decode
+   worker would finish the prompt no later (its own queue + the prompt ≤ the remote queue
+   + the prompt: an idle prefill worker takes the short prompts off a busy decode worker)
+   → local (short);
+3. the prefill queue is over ``prefill_queue_tokens`` and the decode worker would finish
+   the prompt no later → local (queue);
 4. moving the prompt's KV costs more than computing it on the decode worker
    (tokens × transfer s/token ≥ uncached × prefill s/token) → local (link);
 5. otherwise → remote.
@@ -92,11 +95,11 @@ class DisaggRule:
             return Decision(Where.LOCAL, "mode")
         if c.remote_uncached is None:
             return Decision(Where.LOCAL, "busy")
-        if c.local_uncached <= self.max_local_prefill:
+        sooner = (c.local_queue_tokens + c.local_uncached
+                  <= c.remote_queue_tokens + c.remote_uncached)
+        if sooner and c.local_uncached <= self.max_local_prefill:
             return Decision(Where.LOCAL, "short")
-        if (c.remote_queue_tokens > self.prefill_queue_tokens
-                and c.local_queue_tokens + c.local_uncached
-                <= c.remote_queue_tokens + c.remote_uncached):
+        if sooner and c.remote_queue_tokens > self.prefill_queue_tokens:
             return Decision(Where.LOCAL, "queue")
         if c.prompt_tokens * c.transfer_s_per_token >= c.local_uncached * c.prefill_s_per_token:
             return Decision(Where.LOCAL, "link")
