@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from common.config import (
+    DECODE_PREFILL_BUDGET,
     KV_CACHE_DTYPES,
     QUANTIZATION_AUTO_FOR_GGUF,
     QUANTIZATION_MODES,
@@ -102,6 +103,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     add("--max-num-batched-tokens", type=int,
                    default=env("max_num_batched_tokens", default_of(s, "max_num_batched_tokens"), int),
                    help="token budget of one engine step (prefill chunks + decodes)")
+    add("--decode-prefill-budget", type=int,
+                   default=env("decode_prefill_budget", DECODE_PREFILL_BUDGET, int),
+                   help="decode workers: prompt tokens per step for the prompts they prefill "
+                        "themselves (conditional disaggregation), so running decodes are not "
+                        "stalled; needs chunked prefill")
     add("--threads", type=int, default=env("threads", default_of(EngineConfig, "threads"), int),
                    help="torch threads (default: every CPU this process may use)")
     add("--share-cpus", action=argparse.BooleanOptionalAction,
@@ -127,9 +133,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=args.enable_chunked_prefill),
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  max_num_prefill_tokens=_prefill_cap(args)),
         threads=args.threads,
         share_cpus=args.share_cpus,
         seed=args.seed,
         speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
     )
+
+
+def _prefill_cap(args: argparse.Namespace) -> int | None:
+    """Only a decode worker caps its prompt chunks (and only when it chunks prompts)."""
+    if getattr(args, "role", None) != "decode" or not args.enable_chunked_prefill:
+        return None
+    return args.decode_prefill_budget

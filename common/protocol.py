@@ -158,18 +158,29 @@ class Register(Message):
                  "register.kv_addr is required exactly for decode-capable workers")
 
 
-@message("heartbeat")
+@message("heartbeat", version=2)
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
+    """Load and speed. The three rates are moving averages, ``None`` before a first sample:
+    ``step_seconds`` of the engine's steps (the router's decode choice weighs it), and on a
+    prefill worker the seconds per token of prefill and of KV transfer (what conditional
+    disaggregation weighs)."""
+
     worker_id: str
     num_running: int
     num_waiting: int
     free_blocks: int
     total_blocks: int
+    step_seconds: float | None = None
+    prefill_s_per_token: float | None = None
+    transfer_s_per_token: float | None = None
 
     def __post_init__(self) -> None:
         _require(min(self.num_running, self.num_waiting, self.free_blocks) >= 0
                  and self.free_blocks <= self.total_blocks, "heartbeat: inconsistent counts")
+        for rate in (self.step_seconds, self.prefill_s_per_token, self.transfer_s_per_token):
+            _require(rate is None or 0 <= rate < float("inf"),
+                     "heartbeat: a rate must be a finite number >= 0")
 
 
 @message("kv_events")

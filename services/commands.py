@@ -23,6 +23,7 @@ DEFAULT_ROUTER = f"tcp://127.0.0.1:{DEFAULT_ROUTER_PORT}"
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    from services.router.disagg import add_disagg_flags
     from services.router.policies import RoutingPolicy
     from services.router.service import RouterSettings as R
 
@@ -45,6 +46,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    default=env("heartbeat_timeout", default_of(R, "heartbeat_timeout"), float),
                    help="silence after which a worker is declared dead (at least two of the "
                         "workers' --heartbeat-interval)")
+    add_disagg_flags(p)
     p.set_defaults(func=run_router)
 
 
@@ -125,13 +127,15 @@ def parse_cpus(text: str) -> set[int]:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from services.router.disagg import disagg_rule
     from services.router.service import RouterService, RouterSettings
 
     settings = RouterSettings(
         bind=f"tcp://{args.host}:{args.port}", policy=args.policy,
         token_budget=args.prefill_token_budget,
         load_weight=args.load_weight, max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-        heartbeat_timeout=args.heartbeat_timeout, metrics_host=args.host, metrics_port=args.metrics_port)
+        heartbeat_timeout=args.heartbeat_timeout, disagg=disagg_rule(args),
+        metrics_host=args.host, metrics_port=args.metrics_port)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -33,6 +33,7 @@ from common.engine.handoff import Handoff, to_wire
 from common.metrics import EngineMetrics
 from common.protocol import Finished, KVPiece, Message, Tokens
 from common.roles import FinishStage
+from services.worker_rates import WorkRates
 from services.worker_requests import GatewayPushers, RequestClock
 
 log = logging.getLogger("tandem.worker")
@@ -57,12 +58,13 @@ class KVOutbox:
     def __init__(self, engine: Engine, sender: KVSender, outgoing: OutgoingTransfers, *,
                  stream: bool, clock: RequestClock, pushers: GatewayPushers,
                  metrics: EngineMetrics, send_router: Callable[[Message], None],
-                 guarded: Guard, worker_id: str) -> None:
+                 guarded: Guard, worker_id: str, rates: WorkRates | None = None) -> None:
         self.engine, self.sender, self.outgoing = engine, sender, outgoing
         self.stream = stream
         self.streams = OutgoingStreams(new_stream_id)
         self._clock, self._pushers, self._metrics = clock, pushers, metrics
         self._send_router, self._guarded, self._worker_id = send_router, guarded, worker_id
+        self._rates = rates  # the link cost the router's disaggregation rule weighs
 
     def cancel(self, request_id: str) -> None:
         """An aborted request: its transfers end as usual, unretried, each then giving back
@@ -158,6 +160,9 @@ class KVOutbox:
         if t.ok:
             self._metrics.kv_bytes.labels("sent").inc(t.nbytes)
             self._metrics.kv_seconds.observe(t.seconds)
+            if self._rates is not None:
+                e = self.engine
+                self._rates.observe_transfer(t.seconds, t.nbytes, e.block_nbytes / e.block_size)
         if shipment.streamed:
             self._end_streamed(t)
         elif t.retry and self._clock.get(t.request_id) is not None:

@@ -29,6 +29,7 @@ from common.addresses import free_port
 from common.config import available_cpus
 from common.connector import KVTransport
 from common.flags import add_engine_flags
+from services.router.disagg import add_disagg_flags, disagg_argv
 from services.router.policies import RoutingPolicy
 from services.supervision import Supervisor
 from services.timeouts import add_timeout_flags, timeouts
@@ -60,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pin prefill and decode workers to different CPUs")
     p.add_argument("--api-key", default=None)
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_disagg_flags(p)
     add_timeout_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=run)
@@ -113,7 +115,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
     router = f"tcp://127.0.0.1:{router_port}"
     children = [Child("router", py + ["router", "--port", str(router_port), "--metrics-port",
                                       str(router_metrics), "--policy", args.policy,
-                                      *limits.router_argv()],
+                                      *limits.router_argv(), *disagg_argv(args)],
                       f"http://127.0.0.1:{router_metrics}/health")]
     roles = ([("worker", "worker", args.colocated)] if args.colocated
              else [("prefill", "prefill", args.prefill), ("decode", "decode", args.decode)])

@@ -3,7 +3,9 @@
 - ``prefill``: runs prompts (chunked, prefix-cached), sends each first token straight to
   the gateway, ships the KV to the decode worker the router chose, and frees it on ack.
 - ``decode``: takes prefilled requests from the KV receiver into its running batch and
-  streams the remaining tokens to the gateway.
+  streams the remaining tokens to the gateway; a task without a handoff (the router chose
+  to prefill it here: conditional disaggregation) it runs whole, its prompt in small chunks
+  (``--decode-prefill-budget``), and reports ``Finished(prefill)`` at its first token.
 - ``colocated``: both, in one engine, no transfer (the baseline, and small deployments).
 
 The loop: read control messages → take arrived KV → step the engine → send tokens →
@@ -49,6 +51,7 @@ from common.roles import FinishStage, WorkerRole
 from services.heartbeat import Heartbeater
 from services.kv_inbox import KVInbox
 from services.kv_outbox import KVOutbox
+from services.worker_rates import WorkRates
 from services.worker_requests import GatewayPushers, RequestClock
 from services.worker_settings import WorkerSettings, check_lease, warn_faults
 
@@ -71,6 +74,7 @@ class WorkerService:
         self._registry = CollectorRegistry()
         self.metrics = EngineMetrics(self._registry)
         self.sender = self.receiver = self.outbox = self.inbox = None
+        self.rates = WorkRates()
         warn_faults(settings)
         self.outgoing = OutgoingTransfers(settings.lease_seconds,
                                           max_attempts=settings.kv_transfer_attempts)
@@ -82,7 +86,7 @@ class WorkerService:
                                    stream=settings.kv_stream_chunks, clock=self.clock,
                                    pushers=self.pushers, metrics=self.metrics,
                                    send_router=self._send_router, guarded=self._guarded,
-                                   worker_id=settings.worker_id)
+                                   worker_id=settings.worker_id, rates=self.rates)
         else:
             self.receiver = make_receiver(settings.kv_transport,
                                           settings.kv_bind or "tcp://127.0.0.1:0",
@@ -150,7 +154,7 @@ class WorkerService:
         if self.inbox is not None:
             self.inbox.take()
         if self.engine.has_unfinished:
-            self._send_updates(self.engine.step())
+            self._send_updates(self._timed_step())
         if self.outbox is not None:
             self.outbox.ship_pieces()  # this step's chunks go out while the next computes
             self.outbox.ship_handoffs()
@@ -166,6 +170,14 @@ class WorkerService:
     def num_arriving(self) -> int:
         """Requests whose KV has arrived or is arriving but that do not run yet."""
         return 0 if self.inbox is None else len(self.inbox)
+
+    def _timed_step(self) -> list[SeqUpdate]:
+        before, start = self.engine.stats().num_computed_tokens, time.monotonic()
+        updates = self.engine.step()
+        tokens = self.engine.stats().num_computed_tokens - before
+        self.rates.observe_step(time.monotonic() - start, tokens,
+                                prefill_only=self.s.role is WorkerRole.PREFILL)
+        return updates
 
     def _guarded(self, what: str, request_id: str | None, reply_to: str | None,
                  work: Callable[[], object], abort: bool = False) -> None:
@@ -260,7 +272,10 @@ class WorkerService:
             meta = self.clock.get(u.request_id)
             if meta is None:
                 continue
+            first = meta.first_token is None
             self.clock.observe_token(meta, u, now, self.metrics)
+            if first and self.s.role is WorkerRole.DECODE:  # a prompt prefilled here is done
+                self._send_router(Finished(u.request_id, self.s.worker_id, FinishStage.PREFILL))
             self.pushers.send(meta.reply_to, Tokens(
                 u.request_id, u.choice, u.index, u.token_ids, u.logprobs or None,
                 u.finish_reason, meta.num_prompt_tokens, u.num_cached_tokens))
@@ -292,8 +307,10 @@ class WorkerService:
                                        [ev.block_hash for ev in events if not ev.stored]))
         stats = self.engine.stats()
         self._update_gauges(stats)
+        r = self.rates
         self.heartbeat.snapshot = Heartbeat(self.s.worker_id, stats.num_running, stats.num_waiting,
-                                            stats.num_free_blocks, stats.num_blocks)
+                                            stats.num_free_blocks, stats.num_blocks, r.step_seconds,
+                                            r.prefill_s_per_token, r.transfer_s_per_token)
         self.heartbeat.last_tick = time.monotonic()
 
     def _update_gauges(self, stats) -> None:

@@ -34,6 +34,9 @@ class Cluster:
     colocated: int = 0
     policy: str = "prefix"
     kv_transport: str = "zmq"
+    # The classic P/D path (every prompt on a prefill worker) unless a test asks for the
+    # per-request choice: the fault and migration tests are about that path.
+    disagg_mode: str = "always"
     extra: tuple[str, ...] = ("--num-kv-blocks", "512")
     supervise: bool = False
 
@@ -42,6 +45,7 @@ class Cluster:
         argv = ["up", "--model", self.model, "--port", str(self.port), "--policy", self.policy,
                 "--prefill", str(self.prefill), "--decode", str(self.decode),
                 "--colocated", str(self.colocated), "--kv-transport", self.kv_transport,
+                "--disagg-mode", self.disagg_mode,
                 "--threads", "1", *self.extra]
         self.local = launcher.LocalCluster(launcher.plan(build_parser().parse_args(argv)))
         try:

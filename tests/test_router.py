@@ -35,6 +35,7 @@ from common.protocol import (
 from common.roles import WorkerRole
 from common.sampling_params import SamplingParams
 from services.router.admission import AdmissionQueue
+from services.router.disagg import DisaggMode, DisaggRule
 from services.router.policies import (
     PlacementRequest,
     decode_policy,
@@ -458,7 +459,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def router(**overrides):
-    settings = dict(bind="tcp://127.0.0.1:0", metrics_port=0, heartbeat_timeout=60.0, startup_grace=0.0)
+    # The classic P/D path unless a test says otherwise: these tests are about it (the
+    # per-request choice has its own tests in test_router_disagg.py).
+    settings = dict(bind="tcp://127.0.0.1:0", metrics_port=0, heartbeat_timeout=60.0, startup_grace=0.0,
+                    disagg=DisaggRule(DisaggMode.ALWAYS))
     settings.update(overrides)
     clock = settings.pop("clock", time.monotonic)
     service = RouterService(RouterSettings(**settings), clock=clock)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from common.config import SchedulerConfig
 from common.engine.block_pool import BlockPool
 from common.engine.kv_cache_manager import KVCacheManager
@@ -12,9 +14,10 @@ from common.sampling_params import SamplingParams
 BS = 4
 
 
-def make(num_blocks=16, budget=16, max_seqs=8, chunked=True, caching=True) -> Scheduler:
+def make(num_blocks=16, budget=16, max_seqs=8, chunked=True, caching=True,
+         prefill_cap=None) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, caching), BS)
-    return Scheduler(SchedulerConfig(max_seqs, budget, chunked), kv)
+    return Scheduler(SchedulerConfig(max_seqs, budget, chunked, prefill_cap), kv)
 
 
 def seq(rid: str, length: int, first_token: int = 0):
@@ -43,6 +46,43 @@ def test_chunked_prefill_mixes_with_decodes_under_the_budget():
     assert chunks == [("a", 6, 1), ("b", 4, 8)]  # a decodes, b finishes its prompt
     chunks, _ = run_step(s)
     assert chunks == [("a", 7, 1), ("b", 12, 1)]
+
+
+def test_a_prefill_cap_chunks_prompts_small_and_never_holds_back_decodes():
+    """A decode worker's cap: prompt chunks share ``prefill_cap`` tokens per step, running
+    decodes take the rest of the budget, even those behind a capped prompt."""
+    s = make(num_blocks=32, budget=16, prefill_cap=3)
+    a, b, c = seq("a", 2), seq("b", 7, 100), seq("c", 2, 200)
+    for x in (a, b, c):
+        s.add(x)
+    chunks, _ = run_step(s)
+    assert chunks == [("a", 0, 2), ("b", 0, 1)]  # the cap: 2 + 1 prompt tokens
+    chunks, _ = run_step(s)
+    assert chunks == [("a", 2, 1), ("b", 1, 3)]  # a decodes outside the cap
+    chunks, _ = run_step(s)
+    assert chunks == [("a", 3, 1), ("b", 4, 3)]  # b's prompt is done: it samples
+    chunks, _ = run_step(s)
+    assert chunks == [("a", 4, 1), ("b", 7, 1), ("c", 0, 2)]
+    assert s.stats.computed_tokens == 3 + 4 + 4 + 4
+
+
+def test_a_prefill_cap_skips_a_running_prompt_but_serves_the_decode_behind_it():
+    s = make(num_blocks=32, budget=16, prefill_cap=2)
+    a, b = seq("a", 6), seq("b", 1, 100)
+    s.add(a)
+    s.add(b)
+    assert run_step(s)[0] == [("a", 0, 2)]  # b waits: the cap is spent
+    s.config = SchedulerConfig(8, 16, True, 3)  # a has 4 left: 3 this step, b's 1 does not fit
+    assert run_step(s)[0] == [("a", 2, 3)]
+    assert run_step(s)[0] == [("a", 5, 1), ("b", 0, 1)]
+    assert run_step(s)[0] == [("a", 6, 1), ("b", 1, 1)]  # both decode
+
+
+def test_a_prefill_cap_needs_chunked_prefill():
+    with pytest.raises(ValueError, match="chunked"):
+        SchedulerConfig(8, 16, False, 4)
+    with pytest.raises(ValueError, match=">= 1"):
+        SchedulerConfig(8, 16, True, 0)
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():

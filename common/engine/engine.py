@@ -66,6 +66,7 @@ class EngineStats:
     num_preemptions: int
     num_draft_tokens: int = 0  # speculative tokens verified, ever
     num_accepted_tokens: int = 0  # of those, accepted
+    num_computed_tokens: int = 0  # tokens whose KV the steps computed, ever
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -275,7 +276,7 @@ class Engine:
         return EngineStats(self.num_running, self.num_waiting, self.pool.num_free_blocks,
                            self.pool.num_blocks, self.pool.usage, s.prefix_queries,
                            s.prefix_hits, self.scheduler.num_preemptions,
-                           spec.num_draft_tokens, spec.num_accepted_tokens)
+                           spec.num_draft_tokens, spec.num_accepted_tokens, s.computed_tokens)
 
     # ---- KV export (the prefill side of a handoff) -----------------------------------
 

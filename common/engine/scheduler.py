@@ -1,6 +1,7 @@
 """Continuous batching with chunked prefill, FCFS, preemption by recompute.
 
-Each step has a token budget (``max_num_batched_tokens``). Running sequences are served
+Each step has a token budget (``max_num_batched_tokens``), of which prompt chunks may take
+at most ``max_num_prefill_tokens`` (a decode worker sets it low). Running sequences are served
 first, in arrival order: a decode takes one token, an unfinished prefill its next chunk.
 What budget remains admits waiting sequences, also in arrival order, each with as large
 a chunk as fits. When the cache cannot hold a running sequence's next tokens, the most
@@ -53,6 +54,23 @@ class ScheduledChunk:
 class SchedulerStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_hits: int = 0  # of those, found cached
+    computed_tokens: int = 0  # tokens whose KV a step computed, ever (drafts included)
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What is left of one step's budget: tokens in all, and of those for prompt chunks."""
+
+    tokens: int
+    prefill: int
+
+    def fit(self, wanted: int, is_prefill: bool) -> int:
+        return min(wanted, self.tokens, self.prefill) if is_prefill else min(wanted, self.tokens)
+
+    def take(self, n: int, is_prefill: bool) -> None:
+        self.tokens -= n
+        if is_prefill:
+            self.prefill -= n
 
 
 @dataclass(slots=True)
@@ -97,7 +115,9 @@ class Scheduler:
     def schedule(self, drafts: Mapping[Sequence, list[int]] | None = None) -> SchedulerOutput:
         """``drafts``: proposed tokens of decoding sequences, taken as far as room allows."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, drafts or {})
+        c = self.config
+        budget = StepBudget(c.max_num_batched_tokens, c.max_num_prefill_tokens or c.max_num_batched_tokens)
+        self._schedule_running(out, budget, drafts or {})
         if not out.preempted:  # a cache that just ran out takes no newcomers
             self._schedule_waiting(out, budget)
         out.block_copies = self.kv.take_copies()
@@ -105,6 +125,7 @@ class Scheduler:
 
     def advance(self, out: SchedulerOutput) -> None:
         """Record that the step computed its chunks' KV."""
+        self.stats.computed_tokens += out.num_tokens
         for chunk in out.chunks:
             chunk.seq.num_computed_tokens = chunk.end
             self.kv.cache_computed_blocks(chunk.seq)
@@ -139,19 +160,22 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
         self.running.extend(seqs)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int,
-                          drafts: Mapping[Sequence, list[int]]) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget,
+                          drafts: Mapping[Sequence, list[int]]) -> None:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             seq = self.running[i]
-            draft = self._fit_draft(seq, drafts.get(seq), budget, len(self.running) - i - 1)
-            num_new = min(seq.num_uncomputed_tokens, budget) + len(draft)
+            is_prefill = seq.num_uncomputed_tokens > 1
+            if is_prefill and budget.prefill <= 0:
+                i += 1  # its turn comes next step; the decodes behind it still run
+                continue
+            draft = self._fit_draft(seq, drafts.get(seq), budget.tokens, len(self.running) - i - 1)
+            num_new = budget.fit(seq.num_uncomputed_tokens, is_prefill) + len(draft)
             if not self._make_room(seq, num_new, out):
                 break  # seq itself was preempted; everything after it is gone too
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new, draft))
-            budget -= num_new
+            budget.take(num_new, is_prefill)
             i += 1
-        return budget
 
     def _fit_draft(self, seq: Sequence, draft: list[int] | None, budget: int,
                    num_after: int) -> tuple[int, ...]:
@@ -174,18 +198,19 @@ class Scheduler:
         self.kv.allocate(seq, num_new)
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        while (self.waiting and min(budget.tokens, budget.prefill) > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             prefix = self.kv.find_cached_prefix(seq)
             remaining = seq.num_tokens - prefix.num_tokens
-            if not self.config.enable_chunked_prefill and remaining > budget:
+            if not self.config.enable_chunked_prefill and remaining > budget.tokens:
                 break
-            num_new = min(remaining, budget)
+            num_new = budget.fit(remaining, is_prefill=True)
             if not self.kv.can_allocate(seq, num_new, prefix):
                 break
             self._admit(seq, num_new, prefix, out)
-            budget -= num_new
+            budget.take(num_new, is_prefill=True)
 
     def _admit(self, seq: Sequence, num_new: int, prefix: CachedPrefix, out: SchedulerOutput) -> None:
         self.kv.allocate(seq, num_new, prefix)

@@ -156,5 +156,25 @@ def most_free_blocks() -> Step:
     return step
 
 
-def decode_policy() -> list[Step]:
-    return [has_room_for_prompt(), most_free_blocks()]
+def quickest_steps(weight: float) -> Step:
+    """Penalise slow steps: ``weight`` × step time / the slowest candidate's (0 to weight).
+
+    A decode worker's step time is what each of its requests waits per token, so between
+    two with room, the one stepping faster serves a newcomer sooner. Relative, so it is
+    scale-free; a worker not measured yet counts as the quickest.
+    """
+
+    async def step(req: PlacementRequest, cands: list[Candidate]) -> list[Candidate]:
+        slowest = max((c.worker.step_seconds or 0.0 for c in cands), default=0.0)
+        if slowest > 0:
+            for c in cands:
+                c.score -= weight * (c.worker.step_seconds or 0.0) / slowest
+        return cands
+
+    return step
+
+
+def decode_policy(step_weight: float = 1.0) -> list[Step]:
+    """Room for the prompt, then the free KV fraction (0..1) less the relative step time
+    (0..``step_weight``): at weight 1, a worker half as full but twice as slow ties."""
+    return [has_room_for_prompt(), most_free_blocks(), quickest_steps(step_weight)]

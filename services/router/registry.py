@@ -28,6 +28,9 @@ class WorkerInfo:
     free_blocks: int = 0
     outstanding_tokens: int = 0  # prompt tokens placed here, prefill not yet done
     reserved_blocks: int = 0  # decode blocks promised to handoffs not yet arrived
+    step_seconds: float | None = None  # its recent engine step time (None: not measured yet)
+    prefill_s_per_token: float | None = None  # a prefill worker's measured compute cost
+    transfer_s_per_token: float | None = None  # a prefill worker's measured link cost
 
     @property
     def can_prefill(self) -> bool:
@@ -61,6 +64,9 @@ class Registry:
         info.last_seen = now
         info.num_running, info.num_waiting = msg.num_running, msg.num_waiting
         info.free_blocks = msg.free_blocks
+        info.step_seconds = msg.step_seconds
+        info.prefill_s_per_token = msg.prefill_s_per_token
+        info.transfer_s_per_token = msg.transfer_s_per_token
         return info
 
     def expire(self, now: float) -> list[WorkerInfo]:

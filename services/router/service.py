@@ -2,7 +2,8 @@
 
 It owns the placement of every request (which prefill worker, which decode worker) and
 the admission queue; it never touches tokens or KV. A request's life here:
-submit → queued (``Queued`` to the gateway) or placed (``Task`` to the prefill worker,
+submit → queued (``Queued`` to the gateway) or placed (``Task`` to the prefill worker, or
+to the decode worker itself when ``DisaggRule`` says its prompt is better prefilled there;
 ``Admitted`` to the gateway)
 → ``Finished(prefill)`` → ``Finished(request)``. A dead worker's requests are failed
 back to their gateways at once, and the surviving side is told to abort them.
@@ -48,13 +49,16 @@ from common.protocol import (
 from common.roles import FinishStage, WorkerRole
 from common.rules import check_context, check_token_ids, decode_blocks_needed
 from services.router.admission import AdmissionQueue, Refusal
+from services.router.disagg import DisaggMode, DisaggRule, PrefillCosts, Where, default_costs
 from services.router.ledger import LoadLedger
 from services.router.policies import (
+    Candidate,
     PlacementRequest,
     RoutingPolicy,
     decode_policy,
     place,
     prefill_policy,
+    within_token_budget,
 )
 from services.router.prefix_index import PrefixIndex
 from services.router.registry import Registry, WorkerInfo
@@ -79,6 +83,7 @@ class RouterSettings:
     # for want of one: after a router restart the workers register again within a
     # heartbeat or two.
     startup_grace: float = 5.0
+    disagg: DisaggRule = field(default_factory=DisaggRule)  # where each prompt is prefilled
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
 
@@ -122,6 +127,7 @@ class RouterService:
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
         self._decode_steps = decode_policy()
+        self._local_budget = within_token_budget(settings.token_budget)  # a decode worker's own prompts
         self._ctx = zmq.asyncio.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reclaims its identity
@@ -313,24 +319,54 @@ class RouterService:
         req = PlacementRequest(routed.submit.request_id, len(routed.submit.prompt_token_ids),
                                routed.block_hashes(block_size), block_size)
         chosen = await place(req, prefill_workers, self._prefill_steps)
+        if chosen is not None and chosen.worker.role is not WorkerRole.PREFILL:
+            return await self._assign(routed, req, chosen.worker, chosen.cached_tokens, None)
+        decode = await place(req, self.registry.decode_workers(), self._decode_steps)
+        if decode is None:
+            return False
+        # Only a decode worker prefills "locally": a colocated one is a prefill worker too,
+        # already passed over (or over its budget) above.
+        if decode.worker.role is WorkerRole.DECODE and await self._where(req, chosen, decode) is Where.LOCAL:
+            return await self._assign(routed, req, decode.worker, decode.cached_tokens, decode.worker)
         if chosen is None:
             return False
-        decode = None
-        if chosen.worker.role is WorkerRole.PREFILL:
-            decode = await place(req, self.registry.decode_workers(), self._decode_steps)
-            if decode is None:
-                return False
-        tokens = max(req.num_prompt_tokens - chosen.cached_tokens, 1)
+        return await self._assign(routed, req, chosen.worker, chosen.cached_tokens, decode.worker)
+
+    async def _where(self, req: PlacementRequest, chosen: Candidate | None, decode: Candidate) -> Where:
+        """Prefill on ``chosen`` (remote) or on the decode worker itself (local)."""
+        rule = self.settings.disagg
+        if rule.mode is DisaggMode.ALWAYS:
+            return Where.REMOTE  # no costs to gather
+        decode.cached_tokens = min(self.index.matched_blocks(decode.worker.worker_id, req.block_hashes)
+                                   * req.block_size, req.num_prompt_tokens)
+        if rule.mode is DisaggMode.AUTO and not await self._local_budget(req, [decode]):
+            # It holds a prefill worker's budget of prompts already: no more, or a flood
+            # would pass the admission queue by.
+            self._prefill_choices.labels(Where.REMOTE.value, "budget").inc()
+            return Where.REMOTE
+        transfer, prefill = default_costs(chosen.worker if chosen else None)
+        decision = rule.decide(PrefillCosts(
+            req.num_prompt_tokens, req.num_prompt_tokens - decode.cached_tokens,
+            decode.worker.outstanding_tokens,
+            None if chosen is None else req.num_prompt_tokens - chosen.cached_tokens,
+            chosen.worker.outstanding_tokens if chosen else 0, transfer, prefill))
+        self._prefill_choices.labels(decision.where.value, decision.reason).inc()
+        return decision.where
+
+    async def _assign(self, routed: Routed, req: PlacementRequest, runner: WorkerInfo,
+                      cached: int, decode: WorkerInfo | None) -> bool:
+        """Charge and send the task: ``runner`` prefills; ``decode`` (if any) decodes, and is
+        ``runner`` itself for a prompt prefilled locally (a Task without handoff)."""
+        tokens = max(req.num_prompt_tokens - cached, 1)
         blocks = decode_blocks_needed(req.num_prompt_tokens, req.block_size)
-        self.ledger.charge(req.request_id, chosen.worker, tokens,
-                           decode.worker if decode else None, blocks)
+        self.ledger.charge(req.request_id, runner, tokens, decode, blocks)
         submit = routed.submit
-        await self._send(chosen.worker.worker_id.encode(), Task(
-            submit.request_id, submit.prompt_token_ids, submit.params, submit.reply_to,
-            decode.worker.kv_addr if decode else None))
+        handoff = decode.kv_addr if decode is not None and decode is not runner else None
+        await self._send(runner.worker_id.encode(), Task(
+            submit.request_id, submit.prompt_token_ids, submit.params, submit.reply_to, handoff))
         await self._send(routed.gateway, Admitted(submit.request_id))
         self.requests[submit.request_id] = routed
-        self._placements.labels(chosen.worker.worker_id).inc()
+        self._placements.labels(runner.worker_id).inc()
         self._queue_time.observe(self._clock() - routed.arrival)
         return True
 
@@ -369,6 +405,9 @@ class RouterService:
         self._workers = Gauge("tandem:router_workers", "Live workers", ["role"], registry=r)
         self._rejections = Counter("tandem:router_rejections", "Requests refused", ["status"], registry=r)
         self._placements = Counter("tandem:router_placements", "Requests placed", ["worker"], registry=r)
+        self._prefill_choices = Counter(
+            "tandem:router_prefill_choices", "Where disaggregated requests were prefilled, and why",
+            ["where", "reason"], registry=r)
         self._queue_time = Histogram("tandem:request_queue_time_seconds", "Time before placement",
                                      buckets=LATENCY_BUCKETS, registry=r)
 
