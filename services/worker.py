@@ -49,7 +49,7 @@ from common.protocol import (
 from common.roles import FinishStage, WorkerRole
 from services.heartbeat import Heartbeater
 from services.worker_requests import GatewayPushers, RequestClock
-from services.worker_settings import WorkerSettings, check_lease, warn_faults
+from services.worker_settings import WorkerSettings, check_lease, shared_kv, warn_faults
 
 log = logging.getLogger("tandem.worker")
 
@@ -73,12 +73,13 @@ class WorkerService:
         warn_faults(settings)
         if settings.role is WorkerRole.PREFILL:
             self.sender = make_sender(settings.kv_transport, on_error=self._connector_error,
-                                      faults=settings.kv_faults)
+                                      faults=settings.kv_faults,
+                                      shm=shared_kv(settings, engine.kv_segment))
             check_lease(settings.lease_seconds, self.sender.frame_timeout_s)
         else:
             self.receiver = make_receiver(settings.kv_transport,
                                           settings.kv_bind or "tcp://127.0.0.1:0",
-                                          on_error=self._connector_error)
+                                          on_error=self._connector_error, shm=settings.maps_peer_kv)
         self.outgoing = OutgoingTransfers(settings.lease_seconds,
                                           max_attempts=settings.kv_transfer_attempts)
         self.incoming = IncomingTransfers()
@@ -316,19 +317,26 @@ class WorkerService:
     # ---- decode side: taking KV in ----------------------------------------------------
 
     def _take_transfers(self) -> None:
+        """Acks go out only once each transfer's blocks are copied (admitted, or owned while
+        it waits): a shared-memory transfer's blocks are the sender's until its ack."""
         if self.receiver is None:
             return
+        arrived = []
         for transfer in self.receiver.poll(0):
             problem = self.engine.kv_layout.mismatch(transfer.header.layout, transfer.header.kv_dtype)
-            self.receiver.ack(transfer, ok=problem is None, reason=problem or "")
             if problem is not None:
+                self.receiver.ack(transfer, ok=False, reason=problem)
                 self.metrics.kv_failures.labels("layout").inc()
                 self._fail(transfer.header.request_id, transfer.header.reply_to, problem)
                 continue
             h = transfer.header
             self.metrics.kv_bytes.labels("received").inc(h.num_blocks * h.block_nbytes)
             self.incoming.arrive(transfer)
+            arrived.append(transfer)
         self.incoming.admit(self._admit)
+        self.incoming.own_borrowed()
+        for transfer in arrived:
+            self.receiver.ack(transfer, ok=True)
 
     def _admit(self, transfer: ReceivedTransfer) -> bool:
         """True when the transfer is done with (admitted or failed), False to keep waiting."""
