@@ -7,8 +7,11 @@ GEMMs 1.08x. ``empty`` asks with ``madvise(MADV_HUGEPAGE)`` before the memory is
 touched, which works with the common ``transparent_hugepage=madvise`` setting; where it
 is refused (another OS, THP off) the buffer is simply an ordinary one.
 
-``copy_from_buffer`` is the one copy of a KV transfer into the cache: torch's copy runs
-on every intra-op thread (numpy's on one), and it reads read-only buffers as they are.
+``copy_from_buffer`` is the one copy of a KV transfer into the cache: on the CPU a single
+memcpy through numpy, which reads read-only buffers as they are. Measured here (2 cores,
+loaded): 5.7 GB/s for 125 blocks of 737,280 bytes against 4.7 for torch's copy on one
+thread; torch's copy on two threads fell to 0.02-0.08 GB/s when the cores were
+oversubscribed (every block is a parallel region that waits for a descheduled thread).
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import ctypes
 import ctypes.util
 import functools
 import sys
-import warnings
 
+import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20
@@ -69,7 +72,9 @@ def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
 
 def copy_from_buffer(dst: torch.Tensor, buf) -> None:
     """Copy the bytes of ``buf`` (any buffer, read-only allowed) into the contiguous ``dst``."""
-    with warnings.catch_warnings():  # torch warns about wrapping read-only memory; it only reads it
-        warnings.filterwarnings("ignore", "The given buffer is not writable")
-        src = torch.frombuffer(buf, dtype=torch.uint8)
-    dst.view(-1).view(torch.uint8).copy_(src)
+    src = np.frombuffer(buf, dtype=np.uint8)
+    dst = dst.view(-1).view(torch.uint8)
+    if dst.device.type == "cpu":
+        np.copyto(dst.numpy(), src)
+    else:  # torch cannot wrap read-only memory: one staging copy on the way to the device
+        dst.copy_(torch.from_numpy(src.copy()))
