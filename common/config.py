@@ -81,6 +81,9 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto = the model dtype; int8 / fp8 = quantised (kernels.kv_quant)
+    # The cache in a shared-memory segment same-host peers can map (a prefill worker's, for
+    # --kv-shm; CPU only): it costs the transparent huge pages where shmem may not have them.
+    shared_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

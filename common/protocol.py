@@ -304,6 +304,58 @@ class KVPiece(Message):
                  f"kv_piece.kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
 
 
+@dataclass(frozen=True, slots=True)
+class ShmSegmentRef:
+    """Where a prefill worker's shared KV segment is (``common.shared_memory``): a peer
+    with the same ``host`` identity opens ``/proc/<pid>/fd/<fd>`` and checks its size and
+    the token written at its start."""
+
+    host: str  # common.shared_memory.host_identity() of the owner
+    pid: int
+    fd: int
+    nbytes: int
+    token: bytes  # random per segment: a restarted owner's new segment never passes for the old
+
+    def __post_init__(self) -> None:
+        _require(self.pid >= 1 and self.fd >= 0 and self.nbytes >= 1, "shm segment: bad pid, fd or size")
+        _require(len(self.token) == 16, "shm segment: the token has 16 bytes")
+
+
+@message("kv_shm_handoff")
+@dataclass(frozen=True, slots=True)
+class KVShmHandoff(Message):
+    """A KV transfer through same-host shared memory: the header, and where its blocks lie
+    in the sender's segment instead of block frames (nothing follows this message).
+
+    The blocks are lent: the receiver copies them out before it acks, and only while the
+    sender's monotonic clock (the same host's) reads before ``lent_until``, after which the
+    sender may reuse them.
+    """
+
+    handoff: KVHandoff | None  # a whole transfer or a stream's final one, or
+    piece: KVPiece | None  # a piece of a stream: exactly one of the two is set
+    segment: ShmSegmentRef
+    offsets: list[int]  # byte offset of each block in the segment, block order
+    lent_until: float  # time.monotonic() of the sender by which it may take the blocks back
+
+    def __post_init__(self) -> None:
+        _require((self.handoff is None) != (self.piece is None),
+                 "kv_shm_handoff: exactly one of handoff and piece")
+        _require(all(o >= 0 for o in self.offsets), "kv_shm_handoff: negative block offset")
+        _require(len(self.offsets) == self.header.num_blocks,
+                 "kv_shm_handoff: one offset per block")
+
+    @classmethod
+    def of(cls, header: KVHandoff | KVPiece, segment: ShmSegmentRef, offsets: list[int],
+           lent_until: float) -> KVShmHandoff:
+        piece = header if isinstance(header, KVPiece) else None
+        return cls(None if piece else header, piece, segment, offsets, lent_until)
+
+    @property
+    def header(self) -> KVHandoff | KVPiece:
+        return self.handoff if self.handoff is not None else self.piece
+
+
 @message("kv_ack")
 @dataclass(frozen=True, slots=True)
 class KVAck(Message):

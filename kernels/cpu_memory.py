@@ -6,6 +6,12 @@ their whole extent fits the TLB. Measured here: decode attention 1.04-1.15x, the
 GEMMs 1.08x. ``empty`` asks with ``madvise(MADV_HUGEPAGE)`` before the memory is first
 touched, which works with the common ``transparent_hugepage=madvise`` setting; where it
 is refused (another OS, THP off) the buffer is simply an ordinary one.
+
+``copy_from_buffer`` is the one copy of a KV transfer into the cache: on the CPU a single
+memcpy through numpy, which reads read-only buffers as they are. Measured here (2 cores,
+loaded): 5.7 GB/s for 125 blocks of 737,280 bytes against 4.7 for torch's copy on one
+thread; torch's copy on two threads fell to 0.02-0.08 GB/s when the cores were
+oversubscribed (every block is a parallel region that waits for a descheduled thread).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import ctypes.util
 import functools
 import sys
 
+import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20
@@ -61,3 +68,13 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
 def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``empty(shape, dtype)`` filled with zeros (the first touch, so after the advice)."""
     return empty(shape, dtype).zero_()
+
+
+def copy_from_buffer(dst: torch.Tensor, buf) -> None:
+    """Copy the bytes of ``buf`` (any buffer, read-only allowed) into the contiguous ``dst``."""
+    src = np.frombuffer(buf, dtype=np.uint8)
+    dst = dst.view(-1).view(torch.uint8)
+    if dst.device.type == "cpu":
+        np.copyto(dst.numpy(), src)
+    else:  # torch cannot wrap read-only memory: one staging copy on the way to the device
+        dst.copy_(torch.from_numpy(src.copy()))

@@ -12,7 +12,14 @@ process, once per transport:
   ucxx tag sends of the same messages into receives all posted up front (no probing,
   no checks, no thread hop), the raw zmq tcp figure beside it, and ``ucx_perftest`` per
   UCX transport configuration (``loadtest.ucx_perftest``), the best of which is the
-  "best raw UCX" figure the connector is held to.
+  "best raw UCX" figure the connector is held to;
+* ``shm``: the real sender lending blocks from a shared-memory segment (``--kv-shm on``,
+  control messages over ipc) and the real receiver mapping it; the receiver copies every
+  block into a huge-page destination (as a decode worker copies into its cache) before it
+  acks, so the row is the whole transfer, its one copy included. Its baseline is that same
+  copy (``kernels.cpu_memory.copy_from_buffer``) from private memory, timed in the
+  receiver: how near memory speed the path runs. (The zmq and ucx rows stop once the
+  bytes are in the receiver's frames: a worker's copy into its cache comes on top.)
 
 Each run starts a fresh receiver process and warms up (connection set up) before the
 clock starts. Connector and baseline runs alternate, and the ratio is the median of
@@ -56,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement (median)")
     p.add_argument("--blocks", type=int, default=NUM_BLOCKS)
     p.add_argument("--block-bytes", type=int, default=BLOCK_NBYTES)
-    p.add_argument("--transports", nargs="+", default=["zmq-tcp", "zmq-ipc", "ucx"],
-                   choices=["zmq-tcp", "zmq-ipc", "ucx"])
+    p.add_argument("--transports", nargs="+", default=["zmq-tcp", "zmq-ipc", "shm", "ucx"],
+                   choices=["zmq-tcp", "zmq-ipc", "shm", "ucx"])
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=run)
 
@@ -66,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Job:
     """One measurement, as the receiver process needs it."""
 
-    mode: str  # connector | raw-zmq | raw-ucxx
-    transport: str  # zmq-tcp | zmq-ipc | ucx
+    mode: str  # connector | raw-zmq | raw-ucxx | raw-copy
+    transport: str  # zmq-tcp | zmq-ipc | shm | ucx
     address: str
     warmup: int
     transfers: int
@@ -125,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
 def _measure(transport: str, args: argparse.Namespace, blocks: list[np.ndarray]) -> Row:
     """Connector and baseline runs interleaved, so a busy moment hits both alike."""
     payload = args.transfers * args.blocks * args.block_bytes
-    baselines = [("raw-ucxx", "ucx"), ("raw-zmq", "zmq-tcp")] if transport == "ucx" else [("raw-zmq", transport)]
+    baselines = {"ucx": [("raw-ucxx", "ucx"), ("raw-zmq", "zmq-tcp")],
+                 "shm": [("raw-copy", "shm")]}.get(transport, [("raw-zmq", transport)])
     if transport == "ucx" and perftest_binary() is not None:
         baselines += [("perftest", label) for label in PERFTEST_CONFIGS]
     runs: dict[str, list[float]] = {"connector": []} | {_key(m, w): [] for m, w in baselines}
@@ -141,7 +149,8 @@ def _measure(transport: str, args: argparse.Namespace, blocks: list[np.ndarray])
     vs_tcp = None
     if transport == "ucx":
         vs_tcp = statistics.median(c / r for c, r in zip(connector, runs["raw-zmq"], strict=True))
-    raw_name = "ucxx tag send/recv" if transport == "ucx" else f"zmq PUSH/PULL {transport[4:]}"
+    raw_name = {"ucx": "ucxx tag send/recv", "shm": "the same copy"}.get(
+        transport, f"zmq PUSH/PULL {transport[4:]}")
     row = Row(transport, statistics.median(connector), raw_name, statistics.median(runs[raw_mode]),
               statistics.median(ratios), min(ratios), max(ratios), vs_tcp, connector, runs[raw_mode])
     perftest = {w: runs[_key(m, w)] for m, w in baselines if m == "perftest"}
@@ -186,7 +195,7 @@ def _one_run(mode: str, transport: str, args: argparse.Namespace, blocks: list[n
     """Seconds for the timed transfers of one run."""
     with tempfile.TemporaryDirectory(prefix="kvbench") as tmp:
         address = {"zmq-tcp": "tcp://127.0.0.1:0", "zmq-ipc": f"ipc://{tmp}/kv.sock",
-                   "ucx": "ucx://127.0.0.1:0"}[transport]
+                   "shm": f"ipc://{tmp}/kv.sock", "ucx": "ucx://127.0.0.1:0"}[transport]
         job = Job(mode, transport, address, args.warmup, args.transfers, args.window,
                   args.blocks, args.block_bytes)
         ctx = mp.get_context("spawn")  # no fork: the parent may hold threads (zmq, ucx)
@@ -196,7 +205,7 @@ def _one_run(mode: str, transport: str, args: argparse.Namespace, blocks: list[n
         try:
             address = _expect(ours, "address", child)
             sender = {"connector": _send_connector, "raw-zmq": _send_raw_zmq,
-                      "raw-ucxx": _send_raw_ucxx}[mode]
+                      "raw-ucxx": _send_raw_ucxx, "raw-copy": _send_raw_copy}[mode]
             return sender(job, address, blocks, lambda what: _expect(ours, what, child))
         finally:
             ours.close()  # tells a lingering receiver that everything arrived
@@ -220,8 +229,11 @@ def _send_connector(job: Job, address: str, blocks: list[np.ndarray],
                     expect: Callable[[str], object]) -> float:
     from common.connector import KVTransport, make_sender
 
-    sender = make_sender(KVTransport.UCX if job.transport == "ucx" else KVTransport.ZMQ)
-    views = [memoryview(b) for b in blocks]
+    if job.transport == "shm":
+        sender, views = _shm_sender(blocks)
+    else:
+        sender = make_sender(KVTransport.UCX if job.transport == "ucx" else KVTransport.ZMQ)
+        views = [memoryview(b) for b in blocks]
     acked = 0
 
     def send_window(first: int, count: int, expected_acks: int) -> None:
@@ -247,6 +259,27 @@ def _send_connector(job: Job, address: str, blocks: list[np.ndarray],
         return time.perf_counter() - start
     finally:
         sender.close()
+
+
+def _shm_sender(blocks: list[np.ndarray]):
+    """A sender lending ``blocks`` from a shared segment they are copied into (untimed)."""
+    import torch
+
+    from common.connector import KVTransport, SharedKV, ShmMode, make_sender
+    from common.shared_memory import SharedSegment
+
+    segment = SharedSegment(sum(b.nbytes for b in blocks))
+    rows = segment.tensor((len(blocks), blocks[0].nbytes), torch.uint8).numpy()
+    for row, block in zip(rows, blocks, strict=True):
+        row[:] = block
+    sender = make_sender(KVTransport.ZMQ, shm=SharedKV(segment, ShmMode.ON, lease_seconds=600.0))
+    return sender, [memoryview(row) for row in rows]
+
+
+def _send_raw_copy(job: Job, address: str, blocks: list[np.ndarray],
+                   expect: Callable[[str], object]) -> float:
+    expect("warm")
+    return float(expect("done"))  # timed in the receiver: nothing crosses a process here
 
 
 def _send_raw_zmq(job: Job, address: str, blocks: list[np.ndarray],
@@ -305,7 +338,7 @@ def _send_raw_ucxx(job: Job, address: str, blocks: list[np.ndarray],
 def _receiver_main(job: Job, pipe: Connection) -> None:
     try:
         {"connector": _receive_connector, "raw-zmq": _receive_raw_zmq,
-         "raw-ucxx": _receive_raw_ucxx}[job.mode](job, pipe)
+         "raw-ucxx": _receive_raw_ucxx, "raw-copy": _receive_raw_copy}[job.mode](job, pipe)
     except BaseException as e:  # report, so the parent fails with the reason, not a timeout
         pipe.send(("error", f"{type(e).__name__}: {e}"))
         raise
@@ -339,17 +372,48 @@ def _receive_connector(job: Job, pipe: Connection) -> None:
     from common.connector import KVTransport, make_receiver
 
     kind = KVTransport.UCX if job.transport == "ucx" else KVTransport.ZMQ
-    receiver = make_receiver(kind, job.address)
+    receiver = make_receiver(kind, job.address, shm=job.transport == "shm")
     pipe.send(("address", receiver.address))
     checker, done = _Checker(job, pipe), False
+    cache = _Cache(job) if job.transport == "shm" else None
     try:
         while not done:
             for transfer in receiver.poll(timeout_ms=100):
+                blocks = transfer.blocks if cache is None else cache.copy_in(transfer.blocks)
                 receiver.ack(transfer, ok=True)
-                done = checker.arrived(transfer.blocks) or done
+                done = checker.arrived(blocks) or done
         _linger_for_acks(pipe)
     finally:
         receiver.close()
+
+
+class _Cache:
+    """Where a shm receiver copies each transfer, as a decode worker into its KV cache."""
+
+    def __init__(self, job: Job) -> None:
+        import torch
+
+        from kernels import cpu_memory
+
+        self.copy = cpu_memory.copy_from_buffer
+        self.rows = cpu_memory.zeros((job.blocks, job.block_bytes), torch.uint8)
+
+    def copy_in(self, blocks: list[memoryview]) -> list[memoryview]:
+        for row, block in zip(self.rows, blocks, strict=True):
+            self.copy(row, block)
+        return [memoryview(row.numpy()) for row in self.rows]
+
+
+def _receive_raw_copy(job: Job, pipe: Connection) -> None:
+    pipe.send(("address", ""))
+    cache, blocks = _Cache(job), [memoryview(b) for b in source_blocks(job.blocks, job.block_bytes)]
+    checker = _Checker(job, pipe)
+    for _ in range(job.warmup):
+        checker.arrived(cache.copy_in(blocks))  # signals "warm" after the last
+    start = time.perf_counter()
+    for _ in range(job.transfers):
+        cache.copy_in(blocks)
+    pipe.send(("done", time.perf_counter() - start))  # the time is ours: nothing crossed a process
 
 
 def _linger_for_acks(pipe: Connection) -> None:

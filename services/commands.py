@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+from dataclasses import replace
 
 from common.flags import add_engine_flags, default_of, engine_config, env
 
@@ -51,7 +52,7 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
-    from common.connector import KVTransport
+    from common.connector import KVTransport, ShmMode
     from services.worker_settings import WorkerSettings as W
 
     p.add_argument("--router", default=env("router", DEFAULT_ROUTER))
@@ -63,6 +64,10 @@ def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--worker-id", default=env("worker_id"))
     p.add_argument("--kv-transport", default=env("kv_transport", default_of(W, "kv_transport").value),
                    choices=[t.value for t in KVTransport])
+    p.add_argument("--kv-shm", default=env("kv_shm", default_of(W, "kv_shm").value),
+                   choices=[m.value for m in ShmMode],
+                   help="KV through same-host shared memory: auto (where both ends are on one "
+                        "host), on (always; a peer that cannot map it fails), off (socket frames)")
     p.add_argument("--kv-port", type=int, default=env("kv_port", 0, int))
     p.add_argument("--kv-address", default=env("kv_address"),
                    help="full KV receiver address instead of host:port, e.g. ipc:///tmp/kv.sock")
@@ -158,12 +163,15 @@ def run_worker(args: argparse.Namespace) -> int:
     kv_bind = args.kv_address or _kv_bind(args)
     settings = WorkerSettings(
         role=args.role, router=args.router, kv_transport=args.kv_transport, kv_bind=kv_bind,
-        metrics_host=args.host,
+        kv_shm=args.kv_shm, metrics_host=args.host,
         metrics_port=args.metrics_port, advertise_host=host, lease_seconds=args.lease_seconds,
         heartbeat_interval=args.heartbeat_interval, kv_faults=args.kv_faults or None,
         kv_stream_chunks=args.kv_stream_chunks,
         **({"worker_id": args.worker_id} if args.worker_id else {}))
-    engine = Engine(engine_config(args), detokenize=False)
+    config = engine_config(args)
+    if settings.shares_kv_cache:  # peers on this host map it: the transfer's one copy is theirs
+        config = replace(config, cache=replace(config.cache, shared_memory=True))
+    engine = Engine(config, detokenize=False)
     service = WorkerService(settings, engine)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())

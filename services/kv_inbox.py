@@ -1,8 +1,10 @@
 """The decode worker's KV intake: what arrives through the KV receiver, and how it joins
 the engine.
 
-Each tick ``take`` polls the receiver and acks every transfer at once (a layout or KV
-dtype that does not match is nacked and fails the request). Then:
+Each tick ``take`` polls the receiver (a layout or KV dtype that does not match is nacked
+at once and fails the request), files what arrived, and acks it only once its blocks are
+copied — into the cache, or out to buffers of its own while it waits: a shared-memory
+transfer's blocks are the sender's until the ack (``common.connector.shm``). Then:
 
 - a whole transfer waits, if need be, for room (``IncomingTransfers``) and is added in one
   step (``Engine.add_prefilled``);
@@ -63,12 +65,20 @@ class KVInbox:
             self.engine.abort(a.request_id)
 
     def take(self) -> None:
+        accepted = []
         for transfer in self.receiver.poll(0):
             if self._accept(transfer):
-                self._file(transfer)
+                accepted.append(transfer)
+                if not self.incoming.was_aborted(transfer.header.request_id):
+                    self._file(transfer)
         for a in self.streams.assemblies():
             self._progress(a)
         self.incoming.admit(self._admit)
+        self.incoming.own_borrowed()
+        for a in self.streams.assemblies():
+            a.own_borrowed()
+        for transfer in accepted:
+            self.receiver.ack(transfer, ok=True)
         for a in self.streams.expired():
             self.engine.abort(a.request_id)
             self._metrics.kv_failures.labels("stream_expired").inc()
@@ -78,8 +88,8 @@ class KVInbox:
     def _accept(self, transfer: ReceivedTransfer) -> bool:
         h = transfer.header
         problem = self.engine.kv_layout.mismatch(h.layout, h.kv_dtype)
-        self.receiver.ack(transfer, ok=problem is None, reason=problem or "")
         if problem is not None:
+            self.receiver.ack(transfer, ok=False, reason=problem)
             self._metrics.kv_failures.labels("layout").inc()
             self._drop(h.request_id)
             self._fail(h.request_id, h.reply_to, problem)
@@ -87,7 +97,7 @@ class KVInbox:
         self._metrics.kv_bytes.labels("received").inc(h.num_blocks * h.block_nbytes)
         if isinstance(h, KVPiece):
             self._metrics.kv_pieces.labels("received").inc()
-        return not self.incoming.was_aborted(h.request_id)
+        return True
 
     def _file(self, transfer: ReceivedTransfer) -> None:
         h = transfer.header

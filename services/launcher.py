@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from common.addresses import free_port
 from common.config import available_cpus
-from common.connector import KVTransport
+from common.connector import KVTransport, ShmMode
 from common.flags import add_engine_flags
 from services.router.disagg import add_disagg_flags, disagg_argv
 from services.router.policies import RoutingPolicy
@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=[policy.value for policy in RoutingPolicy])
     p.add_argument("--kv-transport", default=KVTransport.ZMQ.value,
                    choices=[t.value for t in KVTransport])
+    p.add_argument("--kv-shm", default=ShmMode.AUTO.value, choices=[m.value for m in ShmMode],
+                   help="KV through same-host shared memory: auto, on or off (see `tandem prefill -h`)")
     p.add_argument("--cpu-affinity", action="store_true",
                    help="pin prefill and decode workers to different CPUs")
     p.add_argument("--api-key", default=None)
@@ -129,7 +131,8 @@ def plan(args: argparse.Namespace) -> list[Child]:
     for n, (name, cmd, i) in enumerate(workers):
         port = free_port()
         argv = py + [cmd, "--router", router, "--metrics-port", str(port), *threads,
-                     "--kv-transport", args.kv_transport, "--worker-id", f"{name}-{i}",
+                     "--kv-transport", args.kv_transport, "--kv-shm", args.kv_shm,
+                     "--worker-id", f"{name}-{i}",
                      *limits.worker_argv(), *engine_flags]
         if args.cpu_affinity:
             argv += ["--cpu-affinity", str(_cpu_for(name, i, n, len(workers), cpus))]

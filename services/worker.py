@@ -53,7 +53,7 @@ from services.kv_inbox import KVInbox
 from services.kv_outbox import KVOutbox
 from services.worker_rates import WorkRates
 from services.worker_requests import GatewayPushers, RequestClock
-from services.worker_settings import WorkerSettings, check_lease, warn_faults
+from services.worker_settings import WorkerSettings, check_lease, shared_kv, warn_faults
 
 log = logging.getLogger("tandem.worker")
 
@@ -80,7 +80,8 @@ class WorkerService:
                                           max_attempts=settings.kv_transfer_attempts)
         if settings.role is WorkerRole.PREFILL:
             self.sender = make_sender(settings.kv_transport, on_error=self._connector_error,
-                                      faults=settings.kv_faults)
+                                      faults=settings.kv_faults,
+                                      shm=shared_kv(settings, engine.kv_segment))
             check_lease(settings.lease_seconds, self.sender.frame_timeout_s)
             self.outbox = KVOutbox(engine, self.sender, self.outgoing,
                                    stream=settings.kv_stream_chunks, clock=self.clock,
@@ -90,7 +91,7 @@ class WorkerService:
         else:
             self.receiver = make_receiver(settings.kv_transport,
                                           settings.kv_bind or "tcp://127.0.0.1:0",
-                                          on_error=self._connector_error)
+                                          on_error=self._connector_error, shm=settings.maps_peer_kv)
             self.inbox = KVInbox(engine, self.receiver, idle_seconds=settings.lease_seconds,
                                  clock=self.clock, metrics=self.metrics, guarded=self._guarded,
                                  fail=self._fail)

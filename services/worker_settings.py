@@ -6,10 +6,14 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from common.connector import KVTransport
+from common.connector import KVTransport, SharedKV, ShmMode
 from common.connector.faults import FaultPlan
 from common.roles import WorkerRole
+
+if TYPE_CHECKING:
+    from common.shared_memory import SharedSegment
 
 log = logging.getLogger("tandem.worker")
 
@@ -21,6 +25,7 @@ class WorkerSettings:
     worker_id: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
     kv_transport: KVTransport = KVTransport.ZMQ
     kv_bind: str | None = None  # decode/colocated: where the KV receiver binds
+    kv_shm: ShmMode = ShmMode.AUTO  # KV through same-host shared memory (zmq transport only)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     advertise_host: str = "127.0.0.1"
@@ -36,6 +41,9 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", WorkerRole(self.role))
         object.__setattr__(self, "kv_transport", KVTransport(self.kv_transport))
+        object.__setattr__(self, "kv_shm", ShmMode(self.kv_shm))
+        if self.kv_shm is ShmMode.ON and self.kv_transport is not KVTransport.ZMQ:
+            raise ValueError("--kv-shm on needs --kv-transport zmq")
         if isinstance(self.kv_faults, str):
             object.__setattr__(self, "kv_faults", FaultPlan.parse(self.kv_faults))
         if self.lease_seconds <= 0 or self.heartbeat_interval <= 0:
@@ -48,6 +56,31 @@ class WorkerSettings:
                              f"the lease of {self.lease_seconds:g} s")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port {self.metrics_port} is not a port")
+
+
+    @property
+    def shares_kv_cache(self) -> bool:
+        """Whether this worker's KV cache goes in shared memory: a prefill worker's that
+        may lend blocks to same-host decode workers."""
+        return (self.role is WorkerRole.PREFILL and self.kv_shm is not ShmMode.OFF
+                and self.kv_transport is KVTransport.ZMQ)
+
+    @property
+    def maps_peer_kv(self) -> bool:
+        """Whether this worker's KV receiver takes blocks from same-host senders' memory."""
+        return self.kv_shm is not ShmMode.OFF and self.kv_transport is KVTransport.ZMQ
+
+
+def shared_kv(settings: WorkerSettings, segment: SharedSegment | None) -> SharedKV | None:
+    """What the sender lends blocks from, or None for frames only. ``--kv-shm on`` without a
+    shared cache (a CUDA cache, or the engine built without ``shared_memory``) is refused."""
+    if not settings.shares_kv_cache:
+        return None
+    if segment is None:
+        if settings.kv_shm is ShmMode.ON:
+            raise ValueError("--kv-shm on needs the KV cache in shared memory (a CPU cache)")
+        return None
+    return SharedKV(segment, settings.kv_shm, settings.lease_seconds)
 
 
 def check_lease(lease_seconds: float, frame_timeout_s: float | None) -> None:

@@ -10,8 +10,8 @@ Prefill worker (sender)::
 Decode worker (receiver)::
 
     for transfer in receiver.poll():    # complete transfers only, validated
-        ...                             # copy transfer.blocks into the cache
-        receiver.ack(transfer, ok=True)
+        ...                             # copy transfer.blocks into the cache (or owned())
+        receiver.ack(transfer, ok=True)  # only then: an ack ends a loan of borrowed blocks
 
 Guarantees common to every transport:
 - A transfer arrives whole or not at all: ``poll`` never yields a partial transfer, and a
@@ -22,6 +22,11 @@ Guarantees common to every transport:
 - The connector never owns KV-cache blocks: it reads the sender's buffers in place and
   hands the receiver buffers to copy from. Freeing blocks is the workers' business
   (``common.connector.lease`` on the sender side).
+- Borrowed blocks (same-host shared memory, ``ReceivedTransfer.lent_until`` set) are views
+  of the sender's own cache, valid until the transfer is acked or nacked and at the
+  latest until ``lent_until``: the receiver copies them (into its cache, or ``owned``)
+  before it acks, within the call that polled them. Other transports' blocks are the
+  receiver's and stay valid after the ack.
 - Neither role blocks the caller except ``poll(timeout_ms)`` when asked to wait.
 - Nothing fails in silence: every failure is logged and handed to the role's optional
   ``on_error(kind, detail)`` hook from inside its own calls, on the caller's thread
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from common.protocol import KVAck, KVHandoff, KVPiece, ProtocolError, decode
+from common.protocol import KVAck, KVHandoff, KVPiece, KVShmHandoff, ProtocolError, decode
 
 MAX_BLOCK_FRAME_BYTES = 64 * 1024 * 1024
 
@@ -54,11 +59,33 @@ class KVTransport(str, Enum):
     UCX = "ucx"  # ucx://HOST:PORT; needs the optional ucx extra
 
 
+class ShmMode(str, Enum):
+    """``--kv-shm``: whether KV moves through same-host shared memory (zmq transport only)."""
+
+    AUTO = "auto"  # where both ends are on one host; frames elsewhere (learnt per destination)
+    ON = "on"  # always: a destination that cannot map the segment fails its transfers
+    OFF = "off"  # never: block frames over the socket
+
+
 @dataclass(slots=True)
 class ReceivedTransfer:
     header: KVHeader
     blocks: list[memoryview]  # num_blocks buffers of block_nbytes each, read-only
     peer: object  # transport-specific return address for the ack
+    lent_until: float | None = None  # set: blocks borrowed from the sender until then (monotonic)
+
+    @property
+    def borrowed(self) -> bool:
+        return self.lent_until is not None
+
+
+def owned(transfer: ReceivedTransfer) -> ReceivedTransfer:
+    """The transfer with blocks of its own: borrowed blocks are copied out (for a transfer
+    that must wait past its ack), others returned as they are."""
+    if not transfer.borrowed:
+        return transfer
+    blocks = [memoryview(bytes(b)) for b in transfer.blocks]
+    return ReceivedTransfer(transfer.header, blocks, transfer.peer)
 
 
 class KVSender(Protocol):
@@ -105,13 +132,15 @@ class KVReceiver(Protocol):
     def close(self) -> None: ...
 
 
-def decode_header(data: bytes | memoryview) -> KVHeader:
-    """A transfer's header from its bytes; ProtocolError unless it is a valid KV header.
+def decode_header(data: bytes | memoryview, *, shm: bool = False) -> KVHeader | KVShmHandoff:
+    """A transfer's header from its bytes; ProtocolError unless it is a valid KV header
+    (or, with ``shm``, a ``KVShmHandoff``: blocks lent in shared memory instead of frames).
     Every transport's receiver decodes headers here, so a new header type needs no change
     in any transport."""
     header = decode(data)
-    if not isinstance(header, KVHandoff | KVPiece):
-        raise ProtocolError(f"expected kv_handoff or kv_piece, got {header.TAG}")
+    kinds = (KVHandoff, KVPiece, KVShmHandoff) if shm else (KVHandoff, KVPiece)
+    if not isinstance(header, kinds):
+        raise ProtocolError(f"expected {' or '.join(k.TAG for k in kinds)}, got {header.TAG}")
     return header
 
 

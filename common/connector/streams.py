@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.connector.base import ReceivedTransfer
+from common.connector.base import ReceivedTransfer, owned
 from common.protocol import KVHandoff, KVPiece
 
 MAX_REMEMBERED_STREAMS = 10_000
@@ -131,6 +131,13 @@ class Assembly:
     waiting: list[ReceivedTransfer] = field(default_factory=list)  # pieces not yet copied in
     filled: set[int] = field(default_factory=set)  # piece indices copied in
     final: ReceivedTransfer | None = None
+
+    def own_borrowed(self) -> None:
+        """Give what is not copied in yet blocks of its own (``owned``), so the acks that
+        end shared-memory loans may go out while the stream waits."""
+        self.waiting = [owned(t) for t in self.waiting]
+        if self.final is not None:
+            self.final = owned(self.final)
 
     @property
     def arrived(self) -> bool:

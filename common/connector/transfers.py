@@ -10,7 +10,8 @@ it again (``resend``) — its blocks are still lent, so it can go again under a 
 
 ``IncomingTransfers`` (decode side): transfers that arrived but wait for free cache
 blocks, and the requests aborted before their KV arrived (a late transfer for one of
-those is dropped, never admitted).
+those is dropped, never admitted). A waiting transfer never holds borrowed blocks past
+its ack: ``own_borrowed`` copies them out first.
 
 Neither touches blocks, sockets or the engine: the worker does what an outcome says.
 """
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from common.connector.base import ReceivedTransfer
+from common.connector.base import ReceivedTransfer, owned
 from common.connector.lease import Lease, LeaseTable
 from common.protocol import KVAck
 
@@ -140,6 +141,11 @@ class IncomingTransfers:
 
     def clear(self) -> None:
         self._pending.clear()
+
+    def own_borrowed(self) -> None:
+        """Give every waiting transfer blocks of its own (``owned``): its ack, which ends a
+        loan of shared-memory blocks, may then go out while it still waits for room."""
+        self._pending = [owned(t) for t in self._pending]
 
     def admit(self, try_admit: Callable[[ReceivedTransfer], bool]) -> None:
         """Offer each waiting transfer, oldest first; keep those ``try_admit`` declines."""

@@ -8,10 +8,17 @@ The receiver binds a ROUTER socket; acks go back on it to the sender's DEALER.
 
 A transfer to a receiver that has gone away waits in the DEALER until one binds the
 address again (its lease expires meanwhile); other addresses are not held up.
+
+Same-host shared memory (``common.connector.shm`` sends it): a one-frame
+``KVShmHandoff`` in place of header + blocks. A receiver given ``PeerSegments`` maps the
+sender's segment and hands out borrowed views of the blocks (``lent_until`` set); one
+without, or one that cannot map it, nacks with a reason starting ``SHM_UNAVAILABLE`` so
+the sender sends that transfer again as frames.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import zmq
@@ -24,7 +31,11 @@ from common.connector.base import (
     decode_header,
 )
 from common.connector.failures import ErrorHook, FailureLog, TransferFailure
-from common.protocol import KVAck, ProtocolError, encode
+from common.protocol import KVAck, KVShmHandoff, ProtocolError, encode
+from common.shared_memory import PeerSegments, ShmUnavailable
+
+SHM_UNAVAILABLE = "shm unavailable: "  # a nack's reason: send this transfer as frames
+MIN_LOAN_LEFT_S = 2.0  # borrowed blocks due back sooner are refused: the copy must end first
 
 
 class ZmqSender:
@@ -75,9 +86,10 @@ class ZmqReceiver:
     frame_timeout_s: float | None = None  # a multipart message arrives whole or not at all
 
     def __init__(self, address: str, context: zmq.Context | None = None, *,
-                 on_error: ErrorHook | None = None) -> None:
+                 on_error: ErrorHook | None = None, segments: PeerSegments | None = None) -> None:
         self._ctx = context or zmq.Context.instance()
         self._failures = FailureLog(on_error)
+        self._segments = segments  # None: shared-memory transfers are refused (--kv-shm off)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an ack nobody can take raises, not vanishes
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BLOCK_FRAME_BYTES)  # per frame
@@ -103,6 +115,8 @@ class ZmqReceiver:
             transfer = self._accept(identity.bytes, head.buffer, [f.buffer.toreadonly() for f in frames])
             if transfer is not None:
                 out.append(transfer)
+        if self._segments is not None:
+            self._segments.sweep()
         self._failures.flush()
         return out
 
@@ -112,16 +126,43 @@ class ZmqReceiver:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+        if self._segments is not None:
+            self._segments.close()
 
     def _accept(self, identity: bytes, head: memoryview, frames: list[memoryview]) -> ReceivedTransfer | None:
         try:
-            header = decode_header(head)
+            header = decode_header(head, shm=True)
         except ProtocolError as e:
             return self._reject(identity, "", str(e))
+        if isinstance(header, KVShmHandoff):
+            return self._accept_shm(identity, header, len(frames))
         problem = check_transfer(header, frames)
         if problem:
             return self._reject(identity, header.transfer_id, problem)
         return ReceivedTransfer(header, frames, identity)
+
+    def _accept_shm(self, identity: bytes, msg: KVShmHandoff, num_frames: int) -> ReceivedTransfer | None:
+        header = msg.header
+        if self._segments is None:
+            return self._refuse_shm(identity, header.transfer_id, "this receiver runs with --kv-shm off")
+        if num_frames:
+            return self._reject(identity, header.transfer_id, f"{num_frames} frames after kv_shm_handoff")
+        if msg.lent_until - time.monotonic() < MIN_LOAN_LEFT_S:
+            return self._reject(identity, header.transfer_id, "lent blocks are due back before a copy could end")
+        try:
+            blocks = self._segments.blocks(msg.segment, msg.offsets, header.block_nbytes)
+        except ShmUnavailable as e:
+            return self._refuse_shm(identity, header.transfer_id, str(e))
+        except ValueError as e:
+            return self._reject(identity, header.transfer_id, str(e))
+        problem = check_transfer(header, blocks)
+        if problem:
+            return self._reject(identity, header.transfer_id, problem)
+        return ReceivedTransfer(header, blocks, identity, msg.lent_until)
+
+    def _refuse_shm(self, identity: bytes, transfer_id: str, reason: str) -> None:
+        """Not a failure: the sender sends it again as frames (``--kv-shm auto``)."""
+        self._reply(identity, transfer_id, False, SHM_UNAVAILABLE + reason)
 
     def _reject(self, identity: bytes, transfer_id: str, reason: str) -> None:
         self._failures.report(TransferFailure.BAD_TRANSFER, f"transfer {transfer_id!r}: {reason}")

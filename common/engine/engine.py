@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from common.hashing import BlockHash
 from common.model.tokenizer import Detokenizer
 from common.rules import blocks_for_tokens, check_context, check_token_ids
 from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from common.shared_memory import SharedSegment
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +121,8 @@ class Engine:
         self.kv = KVCacheManager(pool, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.loaded.model, self.kv, self.cache_plan.num_blocks,
-                                  self.cache_plan.dtype, self.loaded.backend)
+                                  self.cache_plan.dtype, self.loaded.backend,
+                                  config.cache.shared_memory)
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.speculator = (Speculator(config.speculative, config.scheduler.max_num_batched_tokens,
                                       self.max_model_len) if config.speculative else None)
@@ -291,6 +296,11 @@ class Engine:
     @property
     def block_nbytes(self) -> int:
         return self.runner.block_nbytes
+
+    @property
+    def kv_segment(self) -> SharedSegment | None:
+        """The shared-memory segment the KV cache lives in (``shared_memory`` config), or None."""
+        return self.runner.kv_segment
 
     def export_blocks(self, block_ids: list[int]) -> list[memoryview]:
         """Views of a handoff's blocks; they stay valid until the request is aborted."""

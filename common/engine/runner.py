@@ -7,6 +7,8 @@ A quantised cache (int8 / fp8) is a byte tensor ``[num_blocks, num_layers, 2, sl
 each slab a layer's K or V codes followed by their per-head scales
 (``kernels.kv_quant``): still one contiguous buffer per block, so copies, transfers and
 prefix caching treat its blocks exactly as float ones; the model gets per-layer views.
+On the CPU the cache may live in a shared-memory segment (``kv_segment``, for a prefill
+worker that lends blocks to same-host decode workers; ``common.shared_memory``).
 ``execute`` turns a ``SchedulerOutput`` into input tensors, runs the model and returns
 the logits of the positions that sample: one row per sampling sequence, or 1 + k rows
 for a sequence verifying a draft of k tokens (its last token's and each draft token's).
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from common.engine.handoff import KVLayout
@@ -24,6 +25,7 @@ from common.engine.kv_cache_manager import KVCacheManager
 from common.engine.request import Sequence
 from common.engine.scheduler import ScheduledChunk, SchedulerOutput
 from common.model.llama import LlamaModel
+from common.shared_memory import SharedSegment
 from kernels import cpu_memory, kv_quant
 from kernels.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from kernels.kv_quant import KVQuant
@@ -48,11 +50,14 @@ class _Inputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCacheManager, num_blocks: int,
-                 cache_dtype: torch.dtype | KVQuant, backend: AttentionBackend) -> None:
+                 cache_dtype: torch.dtype | KVQuant, backend: AttentionBackend,
+                 shared_memory: bool = False) -> None:
         s = model.spec
         self.model, self.kv, self.backend = model, kv, backend
         self.device = model.embed.device
         self.block_size = kv.block_size
+        self._share = shared_memory and self.device.type == "cpu"
+        self.kv_segment: SharedSegment | None = None  # set when the cache is in shared memory
         if isinstance(cache_dtype, KVQuant):
             slab = kv_quant.slab_nbytes(kv.block_size, s.num_kv_heads, s.head_dim)
             self.kv_cache = self._zeros((num_blocks, s.num_layers, 2, slab), torch.uint8)
@@ -68,6 +73,10 @@ class ModelRunner:
                                 element_size, dtype_name)
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self._share:
+            numel = torch.Size(shape).numel()
+            self.kv_segment = SharedSegment(numel * torch.empty((), dtype=dtype).element_size())
+            return self.kv_segment.tensor(shape, dtype)
         if self.device.type == "cpu":  # read in scattered blocks: huge pages spare the TLB
             return cpu_memory.zeros(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -96,18 +105,10 @@ class ModelRunner:
         return [_byte_view(self.kv_cache[b].cpu()) for b in block_ids]
 
     def write_blocks(self, block_ids: list[int], payload: list[memoryview]) -> None:
-        """Fill blocks with bytes shipped from another worker's cache of the same layout.
-
-        The payload is read-only (the transport's buffers), so it is read through numpy,
-        which allows that, rather than wrapped as a torch tensor, which does not.
-        """
+        """Fill blocks with bytes shipped from another worker's cache of the same layout
+        (read-only: the transport's buffers, or a same-host peer's shared memory)."""
         for block_id, buf in zip(block_ids, payload, strict=True):
-            dst = self.kv_cache[block_id].view(-1).view(torch.uint8)
-            src = np.frombuffer(buf, dtype=np.uint8)
-            if self.device.type == "cpu":
-                dst.numpy()[:] = src
-            else:
-                dst.copy_(torch.from_numpy(src.copy()), non_blocking=False)
+            cpu_memory.copy_from_buffer(self.kv_cache[block_id], buf)
 
     @property
     def layout(self) -> KVLayout:
