@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=[t.value for t in KVTransport])
     p.add_argument("--kv-shm", default=ShmMode.AUTO.value, choices=[m.value for m in ShmMode],
                    help="KV through same-host shared memory: auto, on or off (see `tandem prefill -h`)")
+    p.add_argument("--kv-stream-chunks", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill workers ship each chunk's KV while computing the next")
     p.add_argument("--cpu-affinity", action="store_true",
                    help="pin prefill and decode workers to different CPUs")
     p.add_argument("--api-key", default=None)
@@ -132,6 +134,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
         port = free_port()
         argv = py + [cmd, "--router", router, "--metrics-port", str(port), *threads,
                      "--kv-transport", args.kv_transport, "--kv-shm", args.kv_shm,
+                     "--kv-stream-chunks" if args.kv_stream_chunks else "--no-kv-stream-chunks",
                      "--worker-id", f"{name}-{i}",
                      *limits.worker_argv(), *engine_flags]
         if args.cpu_affinity:

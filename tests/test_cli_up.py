@@ -125,6 +125,11 @@ def test_workers_sharing_cpus_may_each_use_them_all():
     assert all(w.threads is not None for w in pinned)  # one CPU each: nothing to share
 
 
+def test_kv_streaming_is_forwarded_to_the_workers():
+    assert {w.kv_stream_chunks for w in _workers_as_parsed([])} == {True}
+    assert {w.kv_stream_chunks for w in _workers_as_parsed(["--no-kv-stream-chunks"])} == {False}
+
+
 def test_a_child_that_exits_during_start_is_a_startup_error():
     router = launcher.Child("router", [sys.executable, "-c", "raise SystemExit(3)"],
                             f"http://127.0.0.1:{free_port()}/health")
