@@ -158,7 +158,10 @@ async def leave(port: int, p: Planned) -> None:
 
 async def run_storm(cluster: Cluster, plan: list[Planned]) -> dict[int, int]:
     gate = asyncio.Semaphore(STORM_CONCURRENCY)
-    limits = httpx.Limits(max_connections=STORM_CONCURRENCY)
+    # No idle connections kept: one the server closes after its keep-alive timeout just as
+    # the pool hands it out again fails a POST with ReadError, a race of the client's pool
+    # under a loaded machine that has nothing to do with aborts.
+    limits = httpx.Limits(max_connections=STORM_CONCURRENCY, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=cluster.url, timeout=120, limits=limits) as client:
         async def one(p: Planned) -> tuple[int, int | None]:
             async with gate:
