@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from kernels import cpu_memory
@@ -21,3 +23,21 @@ def test_big_buffers_start_on_a_huge_page_and_behave_like_tensors() -> None:
     z[2, 7] = 3.0
     assert float(z.sum()) == 3.0
     assert z[2].view(torch.uint8).numpy().nbytes == 4 << 18  # views, numpy, as any tensor
+
+
+@pytest.mark.parametrize("nbytes,offset", [(737_280, 0), (737_280 + 37, 5), (100, 3), (1, 0), (4096 * 3 + 96, 17)])
+def test_the_kv_copy_is_byte_exact_at_any_size_and_alignment(nbytes, offset):
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes + offset, dtype=np.uint8)
+    buf = memoryview(src.tobytes())[offset:]  # read-only, as a transport's frame or a peer's map
+    dst = torch.zeros(nbytes + 64, dtype=torch.uint8)[offset % 7 : offset % 7 + nbytes]
+    cpu_memory.copy_from_buffer(dst, buf)
+    assert bytes(dst.numpy()) == bytes(buf)
+
+
+def test_the_kv_copy_refuses_a_size_mismatch():
+    with pytest.raises(ValueError, match="copy of 10 bytes into 12"):
+        cpu_memory.copy_from_buffer(torch.zeros(12, dtype=torch.uint8), b"0123456789")
+
+
+def test_the_streaming_copy_kernel_builds_here():
+    assert cpu_memory.streaming_copy_available()  # gcc is on every machine this runs on
