@@ -23,6 +23,7 @@ the request holds here; an incomplete stream silent for the lease is dropped too
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from common.connector.base import KVReceiver, ReceivedTransfer
@@ -77,13 +78,33 @@ class KVInbox:
         self.incoming.own_borrowed()
         for a in self.streams.assemblies():
             a.own_borrowed()
-        for transfer in accepted:
-            self.receiver.ack(transfer, ok=True)
+        self._settle(accepted)
         for a in self.streams.expired():
             self.engine.abort(a.request_id)
             self._metrics.kv_failures.labels("stream_expired").inc()
             log.warning("KV stream %s for %s went silent before it was complete: dropped",
                         a.stream_id, a.request_id)
+
+    def _settle(self, accepted: list[ReceivedTransfer]) -> None:
+        """Ack what was copied. A shared-memory copy that ended after its loan may hold
+        blocks the sender had already reused: that request's KV is discarded here, and the
+        nack is moot (the sender's lease ended first, so it resends, or fails the request)."""
+        now = time.monotonic()
+        for transfer in accepted:
+            if transfer.borrowed and now > transfer.lent_until:
+                self._discard(transfer.header.request_id)
+                self.receiver.ack(transfer, ok=False, reason="the copy ended after the loan")
+                self._metrics.kv_failures.labels("loan_expired").inc()
+            else:
+                self.receiver.ack(transfer, ok=True)
+
+    def _discard(self, request_id: str) -> None:
+        """Forget the request's KV here without refusing a resend of it."""
+        self.incoming.discard(request_id)
+        self._drop(request_id)
+        if self.engine.abort(request_id):
+            self._clock.forget(request_id)
+        log.warning("%s: a shared-memory KV copy ended after its loan: discarded", request_id)
 
     def _accept(self, transfer: ReceivedTransfer) -> bool:
         h = transfer.header

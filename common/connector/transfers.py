@@ -142,6 +142,10 @@ class IncomingTransfers:
     def clear(self) -> None:
         self._pending.clear()
 
+    def discard(self, request_id: str) -> None:
+        """Drop the request's waiting transfer, but take a later one (a resend)."""
+        self._pending = [t for t in self._pending if t.header.request_id != request_id]
+
     def own_borrowed(self) -> None:
         """Give every waiting transfer blocks of its own (``owned``): its ack, which ends a
         loan of shared-memory blocks, may then go out while it still waits for room."""

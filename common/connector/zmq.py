@@ -35,7 +35,9 @@ from common.protocol import KVAck, KVShmHandoff, ProtocolError, encode
 from common.shared_memory import PeerSegments, ShmUnavailable
 
 SHM_UNAVAILABLE = "shm unavailable: "  # a nack's reason: send this transfer as frames
-MIN_LOAN_LEFT_S = 2.0  # borrowed blocks due back sooner are refused: the copy must end first
+# Borrowed blocks due back sooner are refused: the copy (milliseconds, in the same worker
+# tick as the receive) must end first; one that still ends late is discarded by the worker.
+MIN_LOAN_LEFT_S = 0.5
 
 
 class ZmqSender:
