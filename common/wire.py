@@ -142,6 +142,11 @@ def _container(value: Any, origin: type, args: tuple, where: str) -> Any:
     if not isinstance(value, list):
         raise ProtocolError(f"{where} must be an array")
     if origin is list:
+        if args[0] is int:  # token ids, block offsets: thousands per header, checked in one pass
+            if not all(type(v) is int for v in value):
+                bad = next(i for i, v in enumerate(value) if type(v) is not int)
+                raise ProtocolError(f"{where}[{bad}] has the wrong type ({type(value[bad]).__name__})")
+            return value
         return [_from_wire(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
         return tuple(_from_wire(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))

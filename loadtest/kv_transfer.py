@@ -26,7 +26,8 @@ clock starts. Connector and baseline runs alternate, and the ratio is the median
 the per-pair ratios, so a busy moment on a shared machine hits both sides alike.
 MB/s is 10^6 bytes of block payload per second, timed on the sender from the moment
 the receiver has the warm-up until it has every transfer (and the connector's acks
-are back). The receiver checks the bytes of the first and last timed transfer.
+are back). The receiver checks the bytes of the last warm-up transfer (before the clock starts)
+and of the last timed one (after it stopped).
 """
 
 from __future__ import annotations
@@ -206,7 +207,9 @@ def _one_run(mode: str, transport: str, args: argparse.Namespace, blocks: list[n
             address = _expect(ours, "address", child)
             sender = {"connector": _send_connector, "raw-zmq": _send_raw_zmq,
                       "raw-ucxx": _send_raw_ucxx, "raw-copy": _send_raw_copy}[mode]
-            return sender(job, address, blocks, lambda what: _expect(ours, what, child))
+            seconds = sender(job, address, blocks, lambda what: _expect(ours, what, child))
+            _expect(ours, "checked", child)  # the bytes, compared after the clock stopped
+            return seconds
         finally:
             ours.close()  # tells a lingering receiver that everything arrived
             child.join(timeout=30)
@@ -350,20 +353,26 @@ class _Checker:
     def __init__(self, job: Job, pipe: Connection) -> None:
         self.job, self.pipe, self.count = job, pipe, 0
         self.want = source_blocks(job.blocks, job.block_bytes)
-        self.check_at = {job.warmup, job.warmup + job.transfers - 1}
+        self.last = job.warmup + job.transfers - 1
+
+    def verify(self, frames: list[memoryview]) -> None:
+        ok = len(frames) == len(self.want) and all(
+            np.array_equal(np.frombuffer(f, np.uint8), w) for f, w in zip(frames, self.want, strict=True))
+        if not ok:
+            raise RuntimeError(f"transfer {self.count} arrived corrupted")
 
     def arrived(self, frames: list[memoryview]) -> bool:
-        """Record one transfer; True when it was the last."""
-        if self.count in self.check_at:
-            ok = len(frames) == len(self.want) and all(
-                np.array_equal(np.frombuffer(f, np.uint8), w) for f, w in zip(frames, self.want, strict=True))
-            if not ok:
-                raise RuntimeError(f"transfer {self.count} arrived corrupted")
+        """Record one transfer; True when it was the last. The last warm-up transfer is
+        checked before the clock starts, the last timed one after it stopped."""
+        if self.count == self.job.warmup - 1:
+            self.verify(frames)
         self.count += 1
         if self.count == self.job.warmup:
             self.pipe.send(("warm", None))
-        if self.count == self.job.warmup + self.job.transfers:
+        if self.count == self.last + 1:
             self.pipe.send(("done", None))
+            self.verify(frames)
+            self.pipe.send(("checked", None))
             return True
         return False
 
@@ -412,8 +421,10 @@ def _receive_raw_copy(job: Job, pipe: Connection) -> None:
         checker.arrived(cache.copy_in(blocks))  # signals "warm" after the last
     start = time.perf_counter()
     for _ in range(job.transfers):
-        cache.copy_in(blocks)
+        copied = cache.copy_in(blocks)
     pipe.send(("done", time.perf_counter() - start))  # the time is ours: nothing crossed a process
+    checker.verify(copied)
+    pipe.send(("checked", None))
 
 
 def _linger_for_acks(pipe: Connection) -> None:
