@@ -23,6 +23,7 @@ import ctypes.util
 import functools
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -91,9 +92,31 @@ def copy_from_buffer(dst: torch.Tensor, buf) -> None:
         dst.copy_(torch.from_numpy(src.copy()))
 
 
+def copy_blocks(dsts: list[torch.Tensor], bufs: list, num_threads: int = 1) -> None:
+    """``copy_from_buffer`` for each pair (a transfer's blocks into cache blocks), spread
+    over ``num_threads`` threads a block at a time where the streaming copy is built."""
+    if len(dsts) != len(bufs):
+        raise ValueError(f"{len(bufs)} buffers for {len(dsts)} blocks")
+    lib = _copy_loader.get(None)
+    srcs = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
+    flat = [d.view(-1).view(torch.uint8) for d in dsts]
+    if lib is None or not srcs or any(not d.is_cpu for d in flat):
+        for d, b in zip(dsts, bufs, strict=True):
+            copy_from_buffer(d, b)
+        return
+    nbytes = srcs[0].nbytes
+    if any(s.nbytes != nbytes or d.numel() != nbytes for s, d in zip(srcs, flat, strict=True)):
+        raise ValueError("copy_blocks needs buffers and blocks of one size")
+    count = len(srcs)
+    dst_ptrs = (ctypes.c_void_p * count)(*[d.data_ptr() for d in flat])
+    src_ptrs = (ctypes.c_void_p * count)(*[s.ctypes.data for s in srcs])
+    lib.many(dst_ptrs, src_ptrs, count, nbytes, max(1, num_threads))
+
+
 def _stream_copy():
     """The streaming-store copy (``kernels/cpu/stream_copy.c``), or None without a compiler."""
-    return _copy_loader.get(None)
+    lib = _copy_loader.get(None)
+    return None if lib is None else lib.one
 
 
 def streaming_copy_available() -> bool:
@@ -104,10 +127,16 @@ def _open_copy(_variant: None):
     source = Path(__file__).parent / "cpu" / "stream_copy.c"
     lib = cpu_build.load(cpu_build.library_path(source, "stream_copy", cpu_build.CFLAGS),
                          "streaming copy")
-    fn = lib.stream_copy
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
+    one, many = lib.stream_copy, lib.stream_copy_many
+    one.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    one.restype = many.restype = ctypes.c_int
+    return _CopyKernel(one, many)
+
+
+class _CopyKernel(NamedTuple):
+    one: ctypes._CFuncPtr
+    many: ctypes._CFuncPtr
 
 
 _copy_loader = cpu_build.Loader("streaming copy", _open_copy)

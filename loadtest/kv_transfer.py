@@ -17,7 +17,7 @@ process, once per transport:
   control messages over ipc) and the real receiver mapping it; the receiver copies every
   block into a huge-page destination (as a decode worker copies into its cache) before it
   acks, so the row is the whole transfer, its one copy included. Its baseline is that same
-  copy (``kernels.cpu_memory.copy_from_buffer``) from private memory, timed in the
+  copy (``kernels.cpu_memory.copy_blocks``) from private memory, timed in the
   receiver: how near memory speed the path runs. (The zmq and ucx rows stop once the
   bytes are in the receiver's frames: a worker's copy into its cache comes on top.)
 
@@ -404,12 +404,11 @@ class _Cache:
 
         from kernels import cpu_memory
 
-        self.copy = cpu_memory.copy_from_buffer
+        self.copy, self.threads = cpu_memory.copy_blocks, torch.get_num_threads()
         self.rows = cpu_memory.zeros((job.blocks, job.block_bytes), torch.uint8)
 
     def copy_in(self, blocks: list[memoryview]) -> list[memoryview]:
-        for row, block in zip(self.rows, blocks, strict=True):
-            self.copy(row, block)
+        self.copy(list(self.rows), blocks, self.threads)  # as a decode worker's runner does
         return [memoryview(row.numpy()) for row in self.rows]
 
 

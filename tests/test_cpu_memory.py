@@ -41,3 +41,23 @@ def test_the_kv_copy_refuses_a_size_mismatch():
 
 def test_the_streaming_copy_kernel_builds_here():
     assert cpu_memory.streaming_copy_available()  # gcc is on every machine this runs on
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_transfers_blocks_are_copied_byte_exact_on_any_thread_count(threads):
+    rng = np.random.default_rng(threads)
+    bufs = [memoryview(rng.integers(0, 256, 4096 + 40, dtype=np.uint8).tobytes()) for _ in range(9)]
+    cache = torch.zeros((12, 4096 + 40), dtype=torch.uint8)
+    ids = [3, 0, 11, 5, 6, 1, 9, 2, 7]
+    cpu_memory.copy_blocks([cache[i] for i in ids], bufs, threads)
+    for i, buf in zip(ids, bufs, strict=True):
+        assert bytes(cache[i].numpy()) == bytes(buf)
+    assert not cache[[4, 8, 10]].any()  # nothing written outside the blocks named
+
+
+def test_copy_blocks_refuses_mismatched_sizes():
+    cache = torch.zeros((2, 16), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="one size"):
+        cpu_memory.copy_blocks([cache[0], cache[1]], [b"x" * 16, b"y" * 15])
+    with pytest.raises(ValueError, match="1 buffers for 2 blocks"):
+        cpu_memory.copy_blocks([cache[0], cache[1]], [b"x" * 16])

@@ -107,8 +107,10 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], payload: list[memoryview]) -> None:
         """Fill blocks with bytes shipped from another worker's cache of the same layout
         (read-only: the transport's buffers, or a same-host peer's shared memory)."""
-        for block_id, buf in zip(block_ids, payload, strict=True):
-            cpu_memory.copy_from_buffer(self.kv_cache[block_id], buf)
+        if len(block_ids) != len(payload):
+            raise ValueError(f"{len(payload)} blocks of payload for {len(block_ids)} cache blocks")
+        cpu_memory.copy_blocks([self.kv_cache[b] for b in block_ids], payload,
+                               torch.get_num_threads())
 
     @property
     def layout(self) -> KVLayout:

@@ -9,7 +9,12 @@
  *
  * stream_copy(dst, src, n): copies n bytes; the bulk with 32-byte streaming stores when
  * AVX is there (dst aligned to 32 bytes by a short memcpy first), the tail with memcpy.
- * Returns 0. No threads: a parallel copy stalls badly when another process holds a core.
+ * Returns 0.
+ *
+ * stream_copy_many(dst, src, count, nbytes, threads): ``count`` such copies of ``nbytes``
+ * each (a transfer's blocks), handed out one block at a time to ``threads`` threads
+ * (dynamic schedule: a thread that loses its core holds up one block, not a share of
+ * them; the caller passes 1 when it runs pinned to one CPU).
  */
 #include <stdint.h>
 #include <string.h>
@@ -43,5 +48,14 @@ int stream_copy(void *dst, const void *src, int64_t n) {
 #else
     memcpy(d, s, (size_t)n);
 #endif
+    return 0;
+}
+
+int stream_copy_many(void **dst, const void **src, int64_t count, int64_t nbytes, int threads) {
+    if (count <= 0)
+        return 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
+    for (int64_t i = 0; i < count; i++)
+        stream_copy(dst[i], src[i], nbytes);
     return 0;
 }
