@@ -114,8 +114,14 @@ def test_a_flag_added_to_the_engine_flags_is_forwarded_without_touching_the_laun
 def test_threads_are_shared_out_unless_given():
     [given] = {tuple(w.threads for w in _workers_as_parsed(["--threads", "3"]))}
     assert given == (3, 3)
-    shared = {w.threads for w in _workers_as_parsed([])}
-    assert len(shared) == 1 and shared.pop() >= 1
+    split = {w.threads for w in _workers_as_parsed(["--colocated", "2"])}
+    assert len(split) == 1 and split.pop() >= 1
+
+
+def test_a_pd_cluster_shares_its_cpus_unless_pinned_or_given_threads():
+    assert {(w.threads, w.share_cpus) for w in _workers_as_parsed([])} == {(None, True)}
+    assert {w.share_cpus for w in _workers_as_parsed(["--threads", "1"])} == {False}
+    assert {w.share_cpus for w in _workers_as_parsed(["--cpu-affinity"])} == {False}
 
 
 def test_workers_sharing_cpus_may_each_use_them_all():
