@@ -108,6 +108,20 @@ class Cluster:
         return "\n".join(f"[{c.name}] {line}" for c in self.children for line in c.tail)
 
 
+def readable_prompt(model_dir: Path, ids: TokenIds, length: int, start: int, max_tokens: int,
+                    step: int = 13, span: int = 2000) -> tuple[list[int], list[int]]:
+    """A prompt of ``length`` consecutive ids whose HF greedy output (``max_tokens``) reads
+    back exactly over HTTP (``TokenIds.exact``), and that output."""
+    from tests.conftest import hf_greedy
+
+    for offset in range(start, start + span, step):
+        prompt = list(range(100 + offset, 100 + offset + length))
+        out = hf_greedy(model_dir, prompt, max_tokens)
+        if ids.exact(out):
+            return prompt, out
+    raise AssertionError("no prompt found whose output reads back exactly")
+
+
 class TokenIds:
     """Reads output token ids back over HTTP, where completion logprobs carry each token's
     text but not its id. Each text maps back to the one id that decodes to it; the few

@@ -8,8 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.cluster import Cluster, TokenIds
-from tests.conftest import hf_greedy
+from tests.cluster import Cluster, TokenIds, readable_prompt
 
 N = 12
 MAX_LOCAL = 24  # --disagg-max-local-prefill
@@ -26,16 +25,6 @@ def pd(tiny_model_dir):
         yield cluster
 
 
-def readable_prompt(model_dir, ids: TokenIds, length: int, start: int) -> tuple[list[int], list[int]]:
-    """A prompt of ``length`` whose HF greedy output reads back exactly over HTTP."""
-    for offset in range(start, start + 600, 20):
-        prompt = list(range(100 + offset, 100 + offset + length))
-        out = hf_greedy(model_dir, prompt, N)
-        if ids.exact(out):
-            return prompt, out
-    raise AssertionError("no prompt found whose output reads back exactly")
-
-
 def greedy(cluster: Cluster, prompt: list[int]) -> dict:
     r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
         "prompt": prompt, "max_tokens": N, "temperature": 0, "logprobs": 0, "ignore_eos": True})
@@ -47,7 +36,7 @@ def test_short_prompt_prefills_locally_and_long_remotely_both_like_hf(pd, tiny_m
     ids = TokenIds(tiny_model_dir)
     [prefill] = pd.workers("prefill")
     for length, where, shipped in ((MAX_LOCAL - 4, "local", False), (3 * MAX_LOCAL, "remote", True)):
-        prompt, expected = readable_prompt(tiny_model_dir, ids, length, 10 * length)
+        prompt, expected = readable_prompt(tiny_model_dir, ids, length, 10 * length, N, step=20, span=600)
         before = (pd.metric(pd.router, CHOICES, where=where), pd.metric(prefill, SENT))
         choice = greedy(pd, prompt)
         assert ids.of(choice) == expected, where

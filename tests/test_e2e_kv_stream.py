@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from common.sampling_params import SamplingParams
-from tests.cluster import Cluster, TokenIds, wait_for
-from tests.conftest import hf_greedy, make_engine
+from tests.cluster import Cluster, TokenIds, readable_prompt, wait_for
+from tests.conftest import make_engine
 
 CHUNK = 32
 N = 8
@@ -29,15 +29,6 @@ LEASE_S = "3"  # a dropped transfer costs this much before the request goes agai
 # transfers: A = 0-3 (its final, 3, dropped) + its whole retry 4; B = 5-7; C = 8-11 (11 dropped)
 FAULTS = "script=" + "+".join("drop" if i in (3, 11) else "none" for i in range(12))
 PIECES = "tandem:kv_stream_pieces_total"
-
-
-def find_prompt(model_dir, ids: TokenIds, length: int, start: int) -> tuple[list[int], list[int]]:
-    for offset in range(start, start + 2000, 13):
-        prompt = list(range(100 + offset, 100 + offset + length))
-        out = hf_greedy(model_dir, prompt, N)
-        if ids.exact(out):
-            return prompt, out
-    raise AssertionError("no prompt whose output reads back exactly")
 
 
 def complete(url: str, prompt: list[int]) -> httpx.Response:
@@ -58,7 +49,7 @@ def idle(health: dict) -> bool:
 @pytest.fixture(scope="module")
 def cases(tiny_model_dir):
     ids = TokenIds(tiny_model_dir)
-    return ids, find_prompt(tiny_model_dir, ids, 101, 0), find_prompt(tiny_model_dir, ids, 96, 500)
+    return ids, readable_prompt(tiny_model_dir, ids, 101, 0, N), readable_prompt(tiny_model_dir, ids, 96, 500, N)
 
 
 def test_streamed_kv_serves_like_hf_and_a_dead_receiver_leaves_no_block_held(
