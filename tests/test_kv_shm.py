@@ -282,6 +282,33 @@ def test_an_abort_during_an_shm_transfer_frees_the_blocks_on_both_sides(pair):
     assert len(decode_.worker.incoming) == 0 and not decode_.worker.engine.has_unfinished
 
 
+class _LateClock:
+    """``time`` as the decode inbox sees it: every loan already over when it settles."""
+
+    @staticmethod
+    def monotonic() -> float:
+        return time.monotonic() + 3600.0
+
+
+def failures(w: Worker, reason: str) -> float:
+    return w.worker.metrics.kv_failures.labels(reason)._value.get()  # noqa: SLF001
+
+
+def test_a_copy_that_ends_after_its_loan_is_discarded_and_the_resend_taken(pair, monkeypatch):
+    import services.kv_inbox as inbox
+
+    prefill, decode_ = pair
+    monkeypatch.setattr(inbox, "time", _LateClock)  # the inbox's clock only: accepts still check
+    prefill.send(Task("r", PROMPT, GREEDY, prefill.reply_to, handoff_addr=decode_.worker.kv_address))
+    tick_until([prefill, decode_], lambda: failures(decode_, "loan_expired") == 1, "the late copy")
+    assert decode_.held_blocks() == 0 and not decode_.worker.engine.has_request("r")
+    monkeypatch.setattr(inbox, "time", time)
+    tick_until([prefill, decode_], lambda: decode_.worker.engine.has_request("r"), "the resend")
+    assert failures(prefill, "retried") == 1  # the nack made the sender go again, once
+    tick_until([prefill, decode_], lambda: not decode_.worker.engine.has_unfinished, "the decode")
+    assert (prefill.held_blocks(), decode_.held_blocks()) == (0, 0)
+
+
 # ---- end to end ---------------------------------------------------------------------------
 
 N = 12
