@@ -37,7 +37,7 @@ from common.sampling_params import SamplingParams
 from common.shared_memory import MEMFD_NAME, PeerSegments, SharedSegment
 from services.worker import WorkerService
 from services.worker_settings import WorkerSettings, shared_kv
-from tests.cluster import Cluster, wait_for
+from tests.cluster import Cluster, TokenIds, readable_prompt, wait_for
 from tests.conftest import loaded_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -323,11 +323,12 @@ def complete(cluster: Cluster, prompt: list[int]) -> list[str]:
     return r.json()["choices"][0]["logprobs"]["tokens"]
 
 
-def test_pd_greedy_through_shm_equals_colocated(tiny_model_dir):
-    prompts = [list(range(200, 270)), list(range(300, 305))]  # 5 blocks (chunked), and 1
+def test_pd_greedy_through_shm_equals_hf(tiny_model_dir):
+    ids = TokenIds(tiny_model_dir)
+    cases = [readable_prompt(tiny_model_dir, ids, 70, 100, N),  # 5 blocks (chunked)
+             readable_prompt(tiny_model_dir, ids, 5, 300, N)]  # and 1
     with Cluster(str(tiny_model_dir), extra=(*EXTRA, "--kv-shm", "on")) as pd:
-        through_shm = [complete(pd, p) for p in prompts]
+        for prompt, want in cases:
+            assert ids.of({"logprobs": {"tokens": complete(pd, prompt)}}) == want
         decode_pid = pd.workers("decode")[0].proc.pid
         assert mapped_segments(decode_pid) == 1  # the blocks came through shared memory
-    with Cluster(str(tiny_model_dir), colocated=1, extra=EXTRA) as colocated:
-        assert through_shm == [complete(colocated, p) for p in prompts]
