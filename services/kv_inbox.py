@@ -76,8 +76,7 @@ class KVInbox:
             self._progress(a)
         self.incoming.admit(self._admit)
         self.incoming.own_borrowed()
-        for a in self.streams.assemblies():
-            a.own_borrowed()
+        self.streams.own_borrowed()
         self._settle(accepted)
         for a in self.streams.expired():
             self.engine.abort(a.request_id)

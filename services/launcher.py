@@ -130,13 +130,15 @@ def plan(args: argparse.Namespace) -> list[Child]:
     # idle: measured here, c1 TPOT 0.72x and c16 1.10x the tok/s of one CPU each), and
     # colocated workers split them, unless --share-cpus; --cpu-affinity pins one CPU each.
     share = not args.cpu_affinity and not args.threads and (args.share_cpus or not args.colocated)
-    threads = ([] if args.threads or share
-               else ["--threads", str(max(1, available_cpus() // max(len(workers), 1)))])
-    if share and not args.share_cpus:
-        threads = ["--share-cpus"]
+    if share:
+        cpu_flags = [] if args.share_cpus else ["--share-cpus"]  # given: forwarded already
+    elif args.threads:
+        cpu_flags = []  # forwarded with the engine flags
+    else:
+        cpu_flags = ["--threads", str(max(1, available_cpus() // max(len(workers), 1)))]
     for n, (name, cmd, i) in enumerate(workers):
         port = free_port()
-        argv = py + [cmd, "--router", router, "--metrics-port", str(port), *threads,
+        argv = py + [cmd, "--router", router, "--metrics-port", str(port), *cpu_flags,
                      "--kv-transport", args.kv_transport, "--kv-shm", args.kv_shm,
                      "--kv-stream-chunks" if args.kv_stream_chunks else "--no-kv-stream-chunks",
                      "--worker-id", f"{name}-{i}",

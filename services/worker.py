@@ -173,9 +173,9 @@ class WorkerService:
         return 0 if self.inbox is None else len(self.inbox)
 
     def _timed_step(self) -> list[SeqUpdate]:
-        before, start = self.engine.stats().num_computed_tokens, time.monotonic()
+        before, start = self.engine.num_computed_tokens, time.monotonic()
         updates = self.engine.step()
-        tokens = self.engine.stats().num_computed_tokens - before
+        tokens = self.engine.num_computed_tokens - before
         self.rates.observe_step(time.monotonic() - start, tokens,
                                 prefill_only=self.s.role is WorkerRole.PREFILL)
         return updates

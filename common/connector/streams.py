@@ -163,6 +163,11 @@ class IncomingStreams:
     def assemblies(self) -> list[Assembly]:
         return list(self._open.values())
 
+    def own_borrowed(self) -> None:
+        """``Assembly.own_borrowed`` for every open stream (see ``IncomingTransfers``)."""
+        for a in self._open.values():
+            a.own_borrowed()
+
     def arrive(self, transfer: ReceivedTransfer) -> tuple[Assembly | None, Assembly | None]:
         """File a piece or final transfer: (its assembly or None when it is stale and
         dropped, an older assembly of the same request it replaced, if any — the caller

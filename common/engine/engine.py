@@ -269,6 +269,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens the engine has computed so far (prompt and output): what a step did."""
+        return self.scheduler.stats.computed_tokens
+
     def take_kv_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 
