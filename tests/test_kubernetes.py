@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -23,8 +22,8 @@ import pytest
 import yaml
 
 from tests.extras import require_module
-from tests.kube_render import load_objects, object_id, render
 from tests.kube_policy import Peer, admitted, selects
+from tests.kube_render import object_id, render
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
