@@ -21,10 +21,14 @@ import sys
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from common.addresses import advertise_host, local_address_toward
+from common.roles import WorkerRole
 from common.shared_memory import host_identity
 from services import launcher
+from services.router.disagg import DEFAULT_TRANSFER_S_PER_TOKEN, CostGauges, default_costs
+from services.router.registry import WorkerInfo
 from tests.cluster import Cluster, TokenIds, readable_prompt, wait_for
 from tests.conftest import write_tiny_model
 from tests.netns import NetnsUnavailable, SimulatedHosts
@@ -47,6 +51,33 @@ def test_a_wildcard_bind_advertises_the_address_on_the_route_to_the_router():
     assert advertise_host("0.0.0.0", "decode-3.tandem", "tcp://127.0.0.1:7100") == "decode-3.tandem"
     assert advertise_host("10.1.2.3", None, "tcp://10.1.2.1:7100") == "10.1.2.3"
     assert local_address_toward("ipc:///tmp/router.sock") is None
+
+
+def test_a_loopback_address_advertised_to_a_remote_router_is_warned_about(caplog):
+    assert advertise_host("127.0.0.1", None, "tcp://127.0.0.1:7100") == "127.0.0.1"
+    assert not caplog.records
+    assert advertise_host("127.0.0.1", None, "tcp://10.1.2.1:7100") == "127.0.0.1"
+    assert "peers on other hosts cannot reach it" in caplog.text
+
+
+def test_the_router_exports_the_costs_it_prices_each_prefill_worker_at():
+    def sample(worker: str, source: str) -> float | None:
+        return registry.get_sample_value(LINK, {"worker": worker, "source": source})
+
+    registry = CollectorRegistry()
+    gauges = CostGauges(registry)
+    fresh, measured = (WorkerInfo(name, WorkerRole.PREFILL, None, "", 8, 16, 64, 0.0)
+                       for name in ("fresh", "measured"))
+    measured.transfer_s_per_token, measured.prefill_s_per_token = 2e-4, 3e-4
+    gauges.update([fresh, measured])
+    assert sample("fresh", "default") == DEFAULT_TRANSFER_S_PER_TOKEN == default_costs(fresh)[0]
+    assert sample("measured", "measured") == 2e-4
+    assert registry.get_sample_value("tandem:router_prefill_seconds_per_token",
+                                     {"worker": "measured", "source": "measured"}) == 3e-4
+    fresh.transfer_s_per_token = 1e-4
+    gauges.update([fresh])  # "measured" is gone; "fresh" has measured its link since
+    assert sample("fresh", "default") is None and sample("measured", "measured") is None
+    assert sample("fresh", "measured") == 1e-4
 
 
 # ---- the simulated hosts --------------------------------------------------------------
