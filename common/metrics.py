@@ -62,6 +62,10 @@ class EngineMetrics(RequestMetrics):
                                             "Speculative draft tokens accepted", registry=r)
         self.kv_bytes = Counter("tandem:kv_transfer_bytes", "KV bytes shipped or received",
                                 ["direction"], registry=r)
+        self.kv_received = Counter("tandem:kv_transfers_received", "KV transfers taken in, by "
+                                   "how their blocks came: shm (borrowed from a same-host "
+                                   "sender's memory) or the receiver's transport (tcp, ipc, ucx)",
+                                   ["via"], registry=r)
         self.kv_seconds = Histogram("tandem:kv_transfer_seconds",
                                     "Send to ack of one KV transfer", buckets=LATENCY_BUCKETS, registry=r)
         self.kv_pieces = Counter("tandem:kv_stream_pieces", "KV stream pieces (non-final "

@@ -7,8 +7,11 @@ read-only through ``/proc/<pid>/fd/<fd>`` (``PeerSegments``), once per segment, 
 blocks straight out of it: the transfer's one copy.
 
 What keeps a peer from reading the wrong memory:
-- ``host_identity()`` (boot id + pid and time namespaces) must match: the pid names the
-  same process and both ends read the same monotonic clock (the loan's deadline);
+- ``host_identity()`` (boot id + pid, time and network namespaces) must match: the pid
+  names the same process and both ends read the same monotonic clock (the loan's
+  deadline); and a process in another network namespace (another container or pod, or a
+  host simulated with ``ip netns``) is another host, whose KV travels over its network
+  even where /proc would let it map the segment;
 - the segment's first bytes hold a magic and a random 16-byte token the owner also sends
   in every ``ShmSegmentRef``: a restarted owner (new token), a reused pid or another
   container's /proc never passes for the old segment; the size must match too.
@@ -52,10 +55,11 @@ class ShmUnavailable(Exception):
 
 
 def host_identity() -> str:
-    """Equal for two processes exactly when a pid and a monotonic time mean the same to both."""
+    """Equal for two processes exactly when a pid and a monotonic time mean the same to both
+    and they share a network namespace (the network is what tells one host from another)."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
-    spaces = [f"{ns}:{os.stat(f'/proc/self/ns/{ns}').st_ino}" for ns in ("pid", "time")
+    spaces = [f"{ns}:{os.stat(f'/proc/self/ns/{ns}').st_ino}" for ns in ("pid", "time", "net")
               if os.path.exists(f"/proc/self/ns/{ns}")]
     return ",".join([boot, *spaces])
 

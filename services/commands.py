@@ -12,9 +12,9 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 from dataclasses import replace
 
+from common.addresses import advertise_host
 from common.flags import add_engine_flags, default_of, engine_config, env
 
 log = logging.getLogger("tandem")
@@ -59,7 +59,8 @@ def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--host", default=env("host", "127.0.0.1"),
                    help="interface the KV receiver and metrics bind to")
     p.add_argument("--advertise-host", default=env("advertise_host"),
-                   help="how peers reach this worker (default: --host, or the hostname for 0.0.0.0)")
+                   help="how peers reach this worker (default: --host; for 0.0.0.0, this host's "
+                        "address on the route to the router)")
     p.add_argument("--metrics-port", type=int, default=env("metrics_port", default_of(W, "metrics_port"), int))
     p.add_argument("--worker-id", default=env("worker_id"))
     p.add_argument("--kv-transport", default=env("kv_transport", default_of(W, "kv_transport").value),
@@ -99,7 +100,8 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=env("port", 8000, int))
     p.add_argument("--stream-port", type=int, default=env("stream_port", 0, int),
                    help="where workers push tokens (0 = any free port)")
-    p.add_argument("--advertise-host", default=env("advertise_host"))
+    p.add_argument("--advertise-host", default=env("advertise_host"),
+                   help="how workers reach the token stream (default: as for workers)")
     p.add_argument("--api-key", default=env("api_key"),
                    help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--model", default=env("model"), help="model whose tokenizer to use")
@@ -113,12 +115,6 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="wait this long for the router to place a request (longer than the "
                         "router's --queue-timeout)")
     p.set_defaults(func=run_gateway)
-
-
-def advertised(host: str, given: str | None) -> str:
-    if given:
-        return given
-    return socket.gethostname() if host in ("0.0.0.0", "::") else host
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -159,7 +155,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     if args.cpu_affinity:
         os.sched_setaffinity(0, parse_cpus(args.cpu_affinity))
-    host = advertised(args.host, args.advertise_host)
+    host = advertise_host(args.host, args.advertise_host, args.router)
     kv_bind = args.kv_address or _kv_bind(args)
     settings = WorkerSettings(
         role=args.role, router=args.router, kv_transport=args.kv_transport, kv_bind=kv_bind,
@@ -191,7 +187,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     settings = GatewaySettings(
         router=args.router, stream_bind=f"tcp://{args.host}:{args.stream_port}",
-        advertise_host=advertised(args.host, args.advertise_host),
+        advertise_host=advertise_host(args.host, args.advertise_host, args.router),
         api_key=args.api_key, model=args.model, served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, request_timeout=args.request_timeout,
         admission_timeout=args.admission_timeout)

@@ -49,6 +49,7 @@ class KVInbox:
         self.incoming = IncomingTransfers()
         self.streams = IncomingStreams(idle_seconds)
         self._clock, self._metrics, self._guarded, self._fail = clock, metrics, guarded, fail
+        self._scheme = receiver.address.partition("://")[0]  # how frames come: tcp, ipc, ucx
 
     def __len__(self) -> int:
         """Requests whose KV has arrived, or is arriving, but that do not run yet."""
@@ -115,6 +116,7 @@ class KVInbox:
             self._fail(h.request_id, h.reply_to, problem)
             return False
         self._metrics.kv_bytes.labels("received").inc(h.num_blocks * h.block_nbytes)
+        self._metrics.kv_received.labels("shm" if transfer.borrowed else self._scheme).inc()
         if isinstance(h, KVPiece):
             self._metrics.kv_pieces.labels("received").inc()
         return True

@@ -333,6 +333,6 @@ class WorkerService:
     def _health(self) -> ServiceHealth:
         stats = self.engine.stats()
         return ServiceHealth(True, {"status": "ok", "role": self.s.role.value,
-                                    "worker_id": self.s.worker_id,
+                                    "worker_id": self.s.worker_id, "kv_address": self.kv_address,
                                     "running": stats.num_running, "waiting": stats.num_waiting,
                                     "kv_cache_usage": stats.kv_usage})

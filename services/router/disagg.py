@@ -6,6 +6,8 @@ prompt waits behind every other prompt on the prefill workers, and its KV must c
 link. ``DisaggRule.decide`` weighs the three (the uncached length on each side after its
 prefix cache, the prefill queue, the link's cost) and names its reason. It is pure: the
 router gathers the inputs (``PrefillCosts``), the rule returns a ``Decision``.
+``CostGauges`` exports the costs each prefill worker is priced at (its measurements, or
+the defaults until it has some) as the router's metrics.
 
 The rule, in order (``auto``):
 1. no prefill worker can take the prompt now (all over their token budget) → local;
@@ -26,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Gauge
 
 from common.flags import default_of, env
 
@@ -114,6 +119,7 @@ DEFAULT_PREFILL_S_PER_TOKEN = 1e-3
 
 
 class _Rates(Protocol):
+    worker_id: str
     transfer_s_per_token: float | None
     prefill_s_per_token: float | None
 
@@ -124,6 +130,35 @@ def default_costs(worker: _Rates | None) -> tuple[float, float]:
     prefill = worker.prefill_s_per_token if worker is not None else None
     return (DEFAULT_TRANSFER_S_PER_TOKEN if transfer is None else transfer,
             prefill or DEFAULT_PREFILL_S_PER_TOKEN)  # 0 would make every prompt "link"
+
+
+class CostGauges:
+    """The costs above as the router's metrics, per live prefill worker:
+    ``tandem:router_link_seconds_per_token`` and ``tandem:router_prefill_seconds_per_token``,
+    labelled with the worker and whether the value is its measurement or the default."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["worker", "source"]
+        self._gauges = (
+            Gauge("tandem:router_link_seconds_per_token", "Seconds to move one prompt token's "
+                  "KV from a prefill worker, as conditional disaggregation prices it", labels,
+                  registry=registry),
+            Gauge("tandem:router_prefill_seconds_per_token", "Seconds a prefill worker computes "
+                  "per prompt token, as conditional disaggregation prices it", labels,
+                  registry=registry))
+        self._labelled: set[tuple[Gauge, tuple[str, str]]] = set()
+
+    def update(self, workers: Iterable[_Rates]) -> None:
+        live = set()
+        for w in workers:
+            measured = (w.transfer_s_per_token, w.prefill_s_per_token)
+            for gauge, value, own in zip(self._gauges, default_costs(w), measured, strict=True):
+                labels = (w.worker_id, "default" if own is None else "measured")
+                gauge.labels(*labels).set(value)
+                live.add((gauge, labels))
+        for gauge, labels in self._labelled - live:  # gone, or measured since
+            gauge.remove(*labels)
+        self._labelled = live
 
 
 # ---- flags: the router's, and ``tandem up`` forwards them to its router ----------------

@@ -49,7 +49,14 @@ from common.protocol import (
 from common.roles import FinishStage, WorkerRole
 from common.rules import check_context, check_token_ids, decode_blocks_needed
 from services.router.admission import AdmissionQueue, Refusal
-from services.router.disagg import DisaggMode, DisaggRule, PrefillCosts, Where, default_costs
+from services.router.disagg import (
+    CostGauges,
+    DisaggMode,
+    DisaggRule,
+    PrefillCosts,
+    Where,
+    default_costs,
+)
 from services.router.ledger import LoadLedger
 from services.router.policies import (
     Candidate,
@@ -408,6 +415,7 @@ class RouterService:
         self._prefill_choices = Counter(
             "tandem:router_prefill_choices", "Where disaggregated requests were prefilled, and why",
             ["where", "reason"], registry=r)
+        self._costs = CostGauges(r)
         self._queue_time = Histogram("tandem:request_queue_time_seconds", "Time before placement",
                                      buckets=LATENCY_BUCKETS, registry=r)
 
@@ -416,6 +424,7 @@ class RouterService:
         for role in WorkerRole:
             self._workers.labels(role.value).set(
                 sum(w.role is role for w in self.registry.workers.values()))
+        self._costs.update(self.registry.prefill_workers())
 
     def _health(self) -> ServiceHealth:
         reg = self.registry
