@@ -31,6 +31,10 @@ class PrefixIndex:
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
 
+    def total_blocks(self) -> int:
+        """Block hashes held, summed over workers (a block two workers hold counts twice)."""
+        return sum(len(held) for held in self._blocks.values())
+
     def matched_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of a prompt the worker has cached."""
         held = self._blocks.get(worker_id)

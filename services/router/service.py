@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -72,6 +73,7 @@ from services.router.registry import Registry, WorkerInfo
 
 log = logging.getLogger("tandem.router")
 NO_PREFILL = Refusal(503, "no prefill worker is available", 2.0)
+MESSAGE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 0.1, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,10 +158,13 @@ class RouterService:
             while not stop.is_set():
                 if not await self.sock.poll(200):
                     continue
-                identity, data = await self._recv()
-                if data is not None:
-                    await self._dispatch(identity, data)
+                frames = await self.sock.recv_multipart()
+                started = time.perf_counter()
+                identity, msg = self._decoded(frames)
+                if msg is not None:
+                    await self._dispatch(identity, msg)
                     self._queue_len.set(len(self.queue))  # exact, not only every 0.25 s
+                    self._message_seconds(msg.TAG).observe(time.perf_counter() - started)
         finally:
             maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -168,8 +173,7 @@ class RouterService:
             self.sock.close(linger=0)
             self._ctx.term()
 
-    async def _recv(self) -> tuple[bytes, Message | None]:
-        frames = await self.sock.recv_multipart()
+    def _decoded(self, frames: list[bytes]) -> tuple[bytes, Message | None]:
         if len(frames) != 2:
             log.warning("dropping a message of %d frames", len(frames))
             return frames[0], None
@@ -418,9 +422,16 @@ class RouterService:
         self._costs = CostGauges(r)
         self._queue_time = Histogram("tandem:request_queue_time_seconds", "Time before placement",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        self._index_blocks = Gauge("tandem:router_prefix_index_blocks",
+                                   "Block hashes in the prefix index, over all workers", registry=r)
+        handling = Histogram("tandem:router_message_seconds",
+                             "Time to decode and handle one message, by message tag",
+                             ["message"], buckets=MESSAGE_BUCKETS, registry=r)
+        self._message_seconds = functools.cache(handling.labels)  # one child per tag
 
     def _update_gauges(self) -> None:
         self._queue_len.set(len(self.queue))
+        self._index_blocks.set(self.index.total_blocks())
         for role in WorkerRole:
             self._workers.labels(role.value).set(
                 sum(w.role is role for w in self.registry.workers.values()))
