@@ -33,7 +33,7 @@ from pathlib import Path
 import zmq
 
 from common.protocol import Ping, Status, decode, encode
-from loadtest.router_metrics import Scrape, cpu_seconds, scrape
+from loadtest.router_metrics import cpu_seconds, scrape
 from loadtest.router_sim import FleetSettings, GatewaySettings, fleet_main, gateway_main
 from loadtest.router_workload import Topology, Workload
 
@@ -84,6 +84,7 @@ class Phase:
     kv_blocks_per_s: float  # blocks stored + evicted in them (as the fleet sent them)
     heartbeats_per_s: float
     router_cpu: float  # fraction of one core
+    router_cpu_us_per_placement: float | None  # its CPU time per placement, beyond the background
     load_cpu: float  # the fleet and the gateway together
     index_blocks: int | None
     reregisters: int  # workers the router declared dead meanwhile (they registered again)
@@ -94,6 +95,7 @@ class Result:
     workload: Workload
     indexed_blocks: int | None  # after registration, as the router reports it
     registered_workers: int
+    background_cpu: float  # the router's CPU (fraction of a core) on heartbeats and KV events alone
     phases: list[Phase] = field(default_factory=list)
 
 
@@ -138,10 +140,10 @@ def bench(w: Workload, rates: list[float], duration: float, router_flags: list[s
         _expect(gw_pipe, "ready", 120)
         say(f"{w.workers} workers registered; waiting for the router to index {w.indexed_blocks():,} blocks")
         registered, indexed = _wait_indexed(address, metrics, w)
-        result = Result(w, indexed, registered)
+        result = Result(w, indexed, registered, _background_cpu(router.pid))
         for i, rate in enumerate(rates):
             result.phases.append(_phase(f"p{i}", rate, duration, gw_pipe, fleet_pipe, metrics,
-                                        [router.pid], [p.pid for p in procs]))
+                                        router.pid, [p.pid for p in procs], result.background_cpu))
             say(row(result.phases[-1]))
         for pipe in (fleet_pipe, gw_pipe):
             pipe.send(("stop",))
@@ -159,9 +161,16 @@ def bench(w: Workload, rates: list[float], duration: float, router_flags: list[s
             router.wait()
 
 
+def _background_cpu(router_pid: int, seconds: float = 2.0) -> float:
+    start = cpu_seconds([router_pid])
+    time.sleep(seconds)
+    return (cpu_seconds([router_pid]) - start) / seconds
+
+
 def _phase(name: str, rate: float, duration: float, gw: mp.connection.Connection,
-           fleet: mp.connection.Connection, metrics: str, router_pids: list[int],
-           load_pids: list[int]) -> Phase:
+           fleet: mp.connection.Connection, metrics: str, router_pid: int,
+           load_pids: list[int], background: float) -> Phase:
+    router_pids = [router_pid]
     before, cpu_r0, cpu_l0 = scrape(metrics), cpu_seconds(router_pids), cpu_seconds(load_pids)
     _, counts0 = _take(fleet, "-")  # the counters before
     t0 = time.monotonic()
@@ -189,7 +198,9 @@ def _phase(name: str, rate: float, duration: float, gw: mp.connection.Connection
         lat[-1] if lat else float("nan"),
         submit.mean_us(), submit.quantile_us(0.99), kv.count / wall,
         delta.get("kv_blocks", 0) / wall, delta.get("heartbeat", 0) / wall,
-        (cpu_r1 - cpu_r0) / wall, (cpu_l1 - cpu_l0) / wall,
+        (cpu_r1 - cpu_r0) / wall,
+        max(0.0, cpu_r1 - cpu_r0 - background * wall) / len(arrivals) * 1e6 if arrivals else None,
+        (cpu_l1 - cpu_l0) / wall,
         after.gauge("tandem:router_prefix_index_blocks"), delta.get("reregister", 0))
 
 
@@ -268,8 +279,8 @@ def _all_registered(status: Status, w: Workload) -> bool:
 # ---- output -------------------------------------------------------------------------------
 
 HEADER = ("| workers | indexed blocks | offered/s | achieved/s | p50 ms | p99 ms | router µs/submit "
-          "(mean, p99≤) | KV events/s (blocks/s) | router CPU | load CPU |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+          "(mean, p99≤) | router CPU µs/placement | KV events/s (blocks/s) | router CPU | load CPU |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def row(p: Phase, w: Workload | None = None, indexed: int | None = None) -> str:
@@ -277,6 +288,7 @@ def row(p: Phase, w: Workload | None = None, indexed: int | None = None) -> str:
     return (f"| {w.workers if w else ''} | {indexed if indexed is not None else p.index_blocks:,} "
             f"| {p.offered_per_s:,.0f} | {p.achieved_per_s:,.0f} | {p.p50_ms:.2f} | {p.p99_ms:.2f} "
             f"| {us(p.router_submit_us_mean)}, {us(p.router_submit_us_p99)} "
+            f"| {us(p.router_cpu_us_per_placement)} "
             f"| {p.kv_events_per_s:,.0f} ({p.kv_blocks_per_s:,.0f}) | {p.router_cpu:.0%} | {p.load_cpu:.0%} |")
 
 
