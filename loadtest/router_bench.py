@@ -33,8 +33,9 @@ from pathlib import Path
 import zmq
 
 from common.protocol import Ping, Status, decode, encode
+from loadtest.router_gateway import GatewaySettings, gateway_main
 from loadtest.router_metrics import cpu_seconds, scrape
-from loadtest.router_sim import FleetSettings, GatewaySettings, fleet_main, gateway_main
+from loadtest.router_sim import FleetSettings, fleet_main
 from loadtest.router_workload import Topology, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[2000, 5000, 10000],
                    help="offered Submits per second, one phase each")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per phase")
+    p.add_argument("--warmup", type=float, default=2.0,
+                   help="seconds at the first rate before the phases, not reported")
     f = FleetSettings(d, "")
     p.add_argument("--heartbeat-interval", type=float, default=f.heartbeat_interval)
     p.add_argument("--kv-interval", type=float, default=f.kv_interval,
@@ -102,7 +105,7 @@ class Result:
 def run(args: argparse.Namespace) -> int:
     w = Workload(args.workers, args.topology, args.blocks, groups=args.groups,
                  prefix_blocks=args.prefix_blocks, replicas=args.replicas, tail_tokens=args.tail_tokens)
-    result = bench(w, args.rates, args.duration, args.router_flag, fleet=dict(
+    result = bench(w, args.rates, args.duration, args.router_flag, warmup=args.warmup, fleet=dict(
         heartbeat_interval=args.heartbeat_interval, kv_interval=args.kv_interval,
         kv_blocks=args.kv_blocks, prefill_ms=args.prefill_ms, decode_ms=args.decode_ms),
         gateways=args.gateways, say=lambda m: print(m, file=sys.stderr, flush=True))
@@ -114,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bench(w: Workload, rates: list[float], duration: float, router_flags: list[str] = (),
-          fleet: dict | None = None, gateways: int = 4, say=lambda m: None) -> Result:
+          warmup: float = 0.0, fleet: dict | None = None, gateways: int = 4,
+          say=lambda m: None) -> Result:
     """Start the router, the fleet and the gateway; one phase per rate; stop everything."""
     port, metrics_port = _free_port(), _free_port()
     address = f"tcp://127.0.0.1:{port}"
@@ -141,6 +145,9 @@ def bench(w: Workload, rates: list[float], duration: float, router_flags: list[s
         say(f"{w.workers} workers registered; waiting for the router to index {w.indexed_blocks():,} blocks")
         registered, indexed = _wait_indexed(address, metrics, w)
         result = Result(w, indexed, registered, _background_cpu(router.pid))
+        if warmup > 0 and rates:
+            _phase("warmup", rates[0], warmup, gw_pipe, fleet_pipe, metrics, router.pid,
+                   [p.pid for p in procs], result.background_cpu)
         for i, rate in enumerate(rates):
             result.phases.append(_phase(f"p{i}", rate, duration, gw_pipe, fleet_pipe, metrics,
                                         router.pid, [p.pid for p in procs], result.background_cpu))

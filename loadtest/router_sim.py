@@ -1,5 +1,5 @@
-"""The two load processes of ``tandem bench router``: a simulated fleet and a simulated
-gateway, each a real ZeroMQ peer of a real router, neither running a model.
+"""The simulated fleet of ``tandem bench router`` (``loadtest.router_gateway`` is the
+simulated gateway): real ZeroMQ peers of a real router, running no model.
 
 ``fleet_main``: one DEALER per worker (identity = worker id), as ``services/worker.py``
 has: it registers with its snapshot of cached block hashes, heartbeats every
@@ -11,10 +11,7 @@ by registering again, and answers each ``Task`` as a worker of its role would:
 worker that prefills locally), ``Finished(request)`` ``decode_ms`` later from the worker
 that decodes; a colocated worker sends only the latter. It notes when each Task arrived.
 
-``gateway_main``: ``gateways`` DEALERs sending ``Submit`` at Poisson arrivals of a given
-rate, noting when each was sent, and counting the router's acknowledgements.
-
-Both take commands from the parent over a ``multiprocessing`` pipe, between phases.
+It takes commands from the parent over a ``multiprocessing`` pipe, between phases.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import heapq
 import itertools
 import random
 import time
-import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -31,15 +27,12 @@ from multiprocessing.connection import Connection
 import msgpack
 import zmq
 
-from common.protocol import Finished, Heartbeat, KVEvents, Ping, Register, Submit, encode
+from common.protocol import Finished, Heartbeat, KVEvents, Ping, Register, encode
 from common.roles import FinishStage, WorkerRole
-from common.sampling_params import SamplingParams
-from common.wire import _to_wire
-from loadtest.router_workload import Workload, prompts
+from loadtest.router_workload import Workload
 
 SIM_NUM_BLOCKS = 1_000_000  # each worker's KV capacity: decode room never runs out
 SIM_MAX_MODEL_LEN = 32_768
-PROMPT_POOL = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,20 +67,6 @@ def finished_bytes(request_id: str, worker_id: str, stage: FinishStage) -> bytes
                          use_bin_type=True)
 
 
-class SubmitEncoder:
-    """``encode(Submit(...))`` for a prompt packed once: the request id is the only new part."""
-
-    def __init__(self, params: SamplingParams, reply_to: str) -> None:
-        self._head = (b"\x93" + msgpack.packb(Submit.TAG) + msgpack.packb(Submit.VERSION) + b"\x94")
-        self._tail = msgpack.packb(_to_wire(params), use_bin_type=True) + msgpack.packb(reply_to)
-
-    def packed_prompt(self, tokens: list[int]) -> bytes:
-        return msgpack.packb(tokens)
-
-    def encode(self, request_id: str, packed_prompt: bytes) -> bytes:
-        return self._head + msgpack.packb(request_id) + packed_prompt + self._tail
-
-
 # ---- the fleet ----------------------------------------------------------------------------
 
 class Fleet:
@@ -97,6 +76,7 @@ class Fleet:
         w = s.workload
         self.workers = [self._socket(i, wid) for i, wid in enumerate(w.worker_ids())]
         self._by_kv_addr = {x.kv_addr: x for x in self.workers if x.kv_addr}
+        self._by_socket = {x.sock: x for x in self.workers}
         self._poller = zmq.Poller()
         for x in self.workers:
             self._poller.register(x.sock, zmq.POLLIN)
@@ -199,7 +179,7 @@ class Fleet:
         self.counts["kv_blocks"] += len(stored) + len(evicted)
 
     def _read(self, sock: zmq.Socket) -> None:
-        x = self.workers[self._index_of(sock)]
+        x = self._by_socket[sock]
         while True:
             try:
                 raw = sock.recv(zmq.NOBLOCK)
@@ -222,9 +202,6 @@ class Fleet:
             else:
                 self.counts[tag] += 1
 
-    def _index_of(self, sock: zmq.Socket) -> int:
-        return int(sock.getsockopt_string(zmq.IDENTITY)[4:])
-
     def _on_task(self, x: SimWorker, request_id: str, handoff: str | None, now: float) -> None:
         self.counts["task"] += 1
         prefilled, done = now + self.s.prefill_ms / 1e3, now + (self.s.prefill_ms + self.s.decode_ms) / 1e3
@@ -239,78 +216,3 @@ def fleet_main(s: FleetSettings, pipe: Connection) -> None:
     fleet = Fleet(s)
     fleet.prepare()
     fleet.run(pipe)
-
-
-# ---- the gateway --------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class GatewaySettings:
-    workload: Workload
-    router: str
-    gateways: int = 4
-    seed: int = 2
-
-
-def gateway_main(s: GatewaySettings, pipe: Connection) -> None:
-    ctx = zmq.Context()
-    socks = []
-    for i in range(s.gateways):
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt_string(zmq.IDENTITY, f"sim-gateway-{i}")
-        sock.connect(s.router)
-        socks.append(sock)
-    encoder = SubmitEncoder(SamplingParams(max_tokens=16), "tcp://127.0.0.1:1")
-    pool = [encoder.packed_prompt(p) for p in prompts(s.workload, PROMPT_POOL, s.seed)]
-    pipe.send("ready")
-    while True:
-        cmd = pipe.recv()
-        if cmd[0] != "run":
-            return
-        _, phase, rate, duration = cmd
-        pipe.send(_offer(socks, encoder, pool, phase, rate, duration))
-
-
-def _offer(socks: list[zmq.Socket], encoder: SubmitEncoder, pool: list[bytes], phase: str,
-           rate: float, duration: float) -> tuple[list[float], dict[str, int]]:
-    """Send Poisson arrivals at ``rate`` for ``duration`` seconds, then wait (up to 10 s)
-    for every Submit's final acknowledgement; returns the send times and the ack counts."""
-    rng = random.Random(zlib.crc32(phase.encode()))
-    sent: list[float] = []
-    acks: Counter[str] = Counter()
-    pending = 0
-    start = time.monotonic()
-    due = start
-    while due < start + duration:
-        now = time.monotonic()
-        while due <= now and due < start + duration:
-            i = len(sent)
-            socks[i % len(socks)].send(encoder.encode(f"{phase}-{i}", pool[i % len(pool)]))
-            sent.append(time.monotonic())
-            pending += 1
-            due += rng.expovariate(rate)
-        pending -= _drain(socks, acks)
-        gap = due - time.monotonic()
-        if gap > 0.0002:
-            time.sleep(min(gap, 0.005) - 0.0001)
-    deadline = time.monotonic() + 10.0
-    while pending > 0 and time.monotonic() < deadline:
-        pending -= _drain(socks, acks)
-        time.sleep(0.001)
-    return sent, dict(acks)
-
-
-def _drain(socks: list[zmq.Socket], acks: Counter[str]) -> int:
-    """Count the acknowledgements waiting; returns how many were final (not ``queued``)."""
-    final = 0
-    for sock in socks:
-        while True:
-            try:
-                tag = msgpack.unpackb(sock.recv(zmq.NOBLOCK), raw=False)[0]
-            except zmq.Again:
-                break
-            acks[tag] += 1
-            final += tag != "queued"
-    return final

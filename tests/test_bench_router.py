@@ -10,7 +10,8 @@ from common.protocol import Finished, Submit, encode
 from common.roles import FinishStage, WorkerRole
 from common.sampling_params import SamplingParams
 from loadtest.router_bench import Result, bench, table
-from loadtest.router_sim import SubmitEncoder, finished_bytes
+from loadtest.router_gateway import SubmitEncoder
+from loadtest.router_sim import finished_bytes
 from loadtest.router_workload import Topology, Workload, prompts
 
 TINY = Workload(workers=4, topology=Topology.PD, blocks=2000, groups=8, prefix_blocks=8,
