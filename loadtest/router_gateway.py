@@ -15,9 +15,8 @@ from multiprocessing.connection import Connection
 import msgpack
 import zmq
 
-from common.protocol import Submit
+from common.protocol import Submit, encode
 from common.sampling_params import SamplingParams
-from common.wire import _to_wire
 from loadtest.router_workload import Workload, prompts
 
 PROMPT_POOL = 2048
@@ -27,8 +26,13 @@ class SubmitEncoder:
     """``encode(Submit(...))`` for a prompt packed once: the request id is the only new part."""
 
     def __init__(self, params: SamplingParams, reply_to: str) -> None:
-        self._head = (b"\x93" + msgpack.packb(Submit.TAG) + msgpack.packb(Submit.VERSION) + b"\x94")
-        self._tail = msgpack.packb(_to_wire(params), use_bin_type=True) + msgpack.packb(reply_to)
+        self._head = b"\x93" + msgpack.packb(Submit.TAG) + msgpack.packb(Submit.VERSION) + b"\x94"
+        # What follows the id and the prompt, as the codec writes it (an empty id and
+        # prompt pack to one byte each).
+        whole = encode(Submit("", [], params, reply_to))
+        if not whole.startswith(self._head + b"\xa0\x90"):
+            raise ValueError("the codec no longer writes a Submit as this encoder assumes")
+        self._tail = whole[len(self._head) + 2:]
 
     def packed_prompt(self, tokens: list[int]) -> bytes:
         return msgpack.packb(tokens)
