@@ -8,6 +8,7 @@ Python versions (never Python's salted ``hash()``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -17,11 +18,19 @@ BlockHash = bytes  # 16 bytes
 _ROOT = b"tandem-prefix-v1"
 
 
+_KEYED = hashlib.blake2b(digest_size=16, key=_ROOT)  # copied per block: keying costs a round
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"<{num_tokens}I")
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash one full block given the hash of the block before it (None for the first)."""
-    h = hashlib.blake2b(digest_size=16, key=_ROOT)
+    h = _KEYED.copy()
     h.update(parent or b"\0" * 16)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h.update(_packer(len(token_ids)).pack(*token_ids))
     h.update(extra)
     return h.digest()
 

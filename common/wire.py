@@ -18,6 +18,7 @@ import enum
 import functools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -59,7 +60,8 @@ def registered() -> dict[str, type[Message]]:
 
 
 def encode(msg: Message) -> bytes:
-    values = [_to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)]
+    values = [getattr(msg, name) if plain else _to_wire(getattr(msg, name))
+              for name, plain in _encoding(type(msg))]
     return msgpack.packb([msg.TAG, msg.VERSION, values], use_bin_type=True)
 
 
@@ -80,10 +82,10 @@ def decode(data: bytes | memoryview) -> Message:
 
 def _record(cls: type, values: Any, where: str) -> Any:
     """Rebuild a dataclass (a message or a nested record) from its field values."""
-    schema = _schema(cls)
+    schema = _decoding(cls)
     if not isinstance(values, list) or len(values) != len(schema):
         raise ProtocolError(f"{where} needs {len(schema)} fields")
-    converted = [_from_wire(v, hint, f"{where}.{name}") for (name, hint), v in zip(schema, values, strict=True)]
+    converted = [convert(v, f"{where}.{name}") for (name, convert), v in zip(schema, values, strict=True)]
     try:
         return cls(*converted)  # runs the record's own checks
     except ProtocolError:
@@ -98,11 +100,38 @@ def _schema(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
 
 
+# Both directions are planned once per class from its type hints (the codec's hot path:
+# a prompt's thousands of token ids must not cost a Python call each).
+
+@functools.cache
+def _encoding(cls: type) -> tuple[tuple[str, bool], ...]:
+    """Each field, and whether its values go to msgpack as they are (no enum or record
+    inside, which ``_to_wire`` would turn into its value or its fields)."""
+    return tuple((name, _plain(hint)) for name, hint in _schema(cls))
+
+
+@functools.cache
+def _decoding(cls: type) -> tuple[tuple[str, Callable[[Any, str], Any]], ...]:
+    return tuple((name, _converter(hint)) for name, hint in _schema(cls))
+
+
+_PLAIN_SCALARS = (int, float, str, bytes, bool, type(None))
+
+
+@functools.cache
+def _plain(hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType, list, tuple, dict):
+        return all(_plain(arm) for arm in typing.get_args(hint) if arm is not Ellipsis)
+    return hint in _PLAIN_SCALARS
+
+
 def _to_wire(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
-    if dataclasses.is_dataclass(value):
-        return [_to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, name) if plain else _to_wire(getattr(value, name))
+                for name, plain in _encoding(type(value))]
     if isinstance(value, list | tuple):
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -112,47 +141,105 @@ def _to_wire(value: Any) -> Any:
 
 def _from_wire(value: Any, hint: Any, where: str) -> Any:
     """``value`` as the type ``hint`` names, or a ProtocolError naming the field."""
+    return _converter(hint)(value, where)
+
+
+def _wrong_type(value: Any, where: str) -> ProtocolError:
+    return ProtocolError(f"{where} has the wrong type ({type(value).__name__})")
+
+
+@functools.cache
+def _converter(hint: Any) -> Callable[[Any, str], Any]:
+    """The function that converts a wire value to ``hint`` (or raises ProtocolError)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(hint):
+        return _union(typing.get_args(hint))
+    if origin in (list, tuple, dict):
+        return _container(origin, typing.get_args(hint))
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        def to_enum(value: Any, where: str) -> Any:
             try:
-                return _from_wire(value, arm, where)
+                return hint(value)
+            except ValueError:
+                raise ProtocolError(f"{where}: {value!r} is not a {hint.__name__}") from None
+        return to_enum
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return lambda value, where: _record(hint, value, where)
+    return _scalar(hint)
+
+
+def _union(arms: tuple) -> Callable[[Any, str], Any]:
+    converters = [_converter(arm) for arm in arms]
+    # None can only be the None arm's, unless an arm takes anything
+    none_first = type(None) in arms and Any not in arms
+
+    def union(value: Any, where: str) -> Any:
+        if value is None and none_first:
+            return None
+        for convert in converters:
+            try:
+                return convert(value, where)
             except ProtocolError:
                 continue
-        raise ProtocolError(f"{where} has the wrong type ({type(value).__name__})")
-    if origin in (list, tuple, dict):
-        return _container(value, origin, typing.get_args(hint), where)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            raise ProtocolError(f"{where}: {value!r} is not a {hint.__name__}") from None
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _record(hint, value, where)
-    if _scalar_ok(value, hint):
-        return float(value) if hint is float else value
-    raise ProtocolError(f"{where} has the wrong type ({type(value).__name__})")
+        raise _wrong_type(value, where)
+
+    return union
 
 
-def _container(value: Any, origin: type, args: tuple, where: str) -> Any:
+def _container(origin: type, args: tuple) -> Callable[[Any, str], Any]:
     if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ProtocolError(f"{where} must be a map with string keys")
-        return {k: _from_wire(v, args[1], f"{where}.{k}") for k, v in value.items()}
-    if not isinstance(value, list):
-        raise ProtocolError(f"{where} must be an array")
+        item = _converter(args[1])
+
+        def to_dict(value: Any, where: str) -> Any:
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise ProtocolError(f"{where} must be a map with string keys")
+            return {k: item(v, f"{where}.{k}") for k, v in value.items()}
+        return to_dict
     if origin is list:
-        if args[0] is int:  # token ids, block offsets: thousands per header, checked in one pass
-            if not all(type(v) is int for v in value):
-                bad = next(i for i, v in enumerate(value) if type(v) is not int)
-                raise ProtocolError(f"{where}[{bad}] has the wrong type ({type(value[bad]).__name__})")
-            return value
-        return [_from_wire(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+        return _list(args[0])
     if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]
-        return tuple(_from_wire(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-    if len(value) != len(args):
-        raise ProtocolError(f"{where} needs {len(args)} items")
-    return tuple(_from_wire(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+        item = _converter(args[0])
+
+        def to_tuple(value: Any, where: str) -> Any:
+            if not isinstance(value, list):
+                raise ProtocolError(f"{where} must be an array")
+            return tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
+        return to_tuple
+    items = [_converter(a) for a in args]
+
+    def to_fixed_tuple(value: Any, where: str) -> Any:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} must be an array")
+        if len(value) != len(items):
+            raise ProtocolError(f"{where} needs {len(items)} items")
+        return tuple(convert(v, f"{where}[{i}]") for i, (v, convert) in enumerate(zip(value, items, strict=True)))
+    return to_fixed_tuple
+
+
+def _list(arg: Any) -> Callable[[Any, str], Any]:
+    item = _converter(arg)
+    # Token ids, block offsets, block hashes: thousands per message, checked in one pass
+    # (exact types: msgpack makes no subclasses, and bool is not an int here).
+    exact = {arg} if arg in (int, str, bytes) else None
+
+    def to_list(value: Any, where: str) -> Any:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} must be an array")
+        if exact is not None and set(map(type, value)) <= exact:
+            return value
+        return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return to_list
+
+
+def _scalar(hint: Any) -> Callable[[Any, str], Any]:
+    if hint is Any:
+        return lambda value, where: value
+
+    def scalar(value: Any, where: str) -> Any:
+        if _scalar_ok(value, hint):
+            return float(value) if hint is float else value
+        raise _wrong_type(value, where)
+    return scalar
 
 
 def _scalar_ok(value: Any, hint: Any) -> bool:

@@ -52,9 +52,10 @@ def with_cached_prefix(index: PrefixIndex) -> Step:
     """Annotate each candidate with how much of the prompt it has cached (scores nothing)."""
 
     async def step(req: PlacementRequest, cands: list[Candidate]) -> list[Candidate]:
+        matched = index.matches(req.block_hashes)  # only the workers holding its first block
         for c in cands:
-            blocks = index.matched_blocks(c.worker.worker_id, req.block_hashes)
-            c.cached_tokens = min(blocks * req.block_size, req.num_prompt_tokens)
+            c.cached_tokens = min(matched.get(c.worker.worker_id, 0) * req.block_size,
+                                  req.num_prompt_tokens)
         return cands
 
     return step

@@ -46,15 +46,29 @@ class WorkerInfo:
 
 
 class Registry:
+    """The live workers. ``workers`` is read by others but changed only here, so the views
+    every placement reads (who can prefill, who can decode, the context limit) are
+    rebuilt when the membership changes instead of on every request."""
+
     def __init__(self, heartbeat_timeout: float) -> None:
         self.timeout = heartbeat_timeout
         self.workers: dict[str, WorkerInfo] = {}
+        self._prefill: list[WorkerInfo] = []
+        self._decode: list[WorkerInfo] = []
+        self._max_model_len: int | None = None
+
+    def _membership_changed(self) -> None:
+        live = self.workers.values()
+        self._prefill = [w for w in live if w.can_prefill]
+        self._decode = [w for w in live if w.can_decode]
+        self._max_model_len = min((w.max_model_len for w in live), default=None)
 
     def register(self, msg: Register, now: float) -> WorkerInfo:
         """Add (or re-add, after a restart) a worker; returns its fresh record."""
         info = WorkerInfo(msg.worker_id, msg.role, msg.kv_addr, msg.metrics_url, msg.num_blocks,
                           msg.block_size, msg.max_model_len, last_seen=now, free_blocks=msg.num_blocks)
         self.workers[msg.worker_id] = info
+        self._membership_changed()
         return info
 
     def heartbeat(self, msg: Heartbeat, now: float) -> WorkerInfo | None:
@@ -74,17 +88,24 @@ class Registry:
         dead = [w for w in self.workers.values() if now - w.last_seen > self.timeout]
         for w in dead:
             del self.workers[w.worker_id]
+        if dead:
+            self._membership_changed()
         return dead
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
-        return self.workers.pop(worker_id, None)
+        info = self.workers.pop(worker_id, None)
+        if info is not None:
+            self._membership_changed()
+        return info
 
     def prefill_workers(self) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if w.can_prefill]
+        """Prefill-capable live workers, in registration order (a fresh list)."""
+        return list(self._prefill)
 
     def decode_workers(self) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if w.can_decode]
+        """Decode-capable live workers, in registration order (a fresh list)."""
+        return list(self._decode)
 
     def max_model_len(self) -> int | None:
         """The smallest context limit among live workers (None when there are none)."""
-        return min((w.max_model_len for w in self.workers.values()), default=None)
+        return self._max_model_len
