@@ -12,7 +12,9 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from dataclasses import replace
+from typing import NoReturn
 
 from common.addresses import advertise_host
 from common.flags import add_engine_flags, default_of, engine_config, env
@@ -179,8 +181,17 @@ def run_worker(args: argparse.Namespace) -> int:
     service = WorkerService(settings, engine)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the first drains, a second stops at once
         signal.signal(sig, lambda *_: service.request_drain())
-    service.run()
-    return 0
+    service.run()  # returns once its sockets, threads and cache are closed
+    _exit_at_once(0)
+
+
+def _exit_at_once(status: int) -> NoReturn:
+    """Leave without the interpreter's teardown of torch and transformers (seconds on a
+    CPU, and a restart waits for it); everything of ours is closed already."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _kv_bind(args: argparse.Namespace) -> str:
@@ -198,8 +209,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         api_key=args.api_key, model=args.model, served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, request_timeout=args.request_timeout,
         admission_timeout=args.admission_timeout, drain_timeout=args.drain_timeout)
-    serve(create_app(settings), args.host, args.port)
-    return 0
+    serve(create_app(settings), args.host, args.port)  # returns once drained and closed
+    _exit_at_once(0)
 
 
 def add_service_parsers(sub) -> None:
