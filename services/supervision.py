@@ -43,6 +43,10 @@ class RestartPolicy:
         self._count: dict[str, int] = {}
         self._healthy_since: dict[str, float] = {}
 
+    def restarts(self, name: str) -> int:
+        """How many times the child was restarted after an exit of its own."""
+        return self._count.get(name, 0)
+
     def healthy(self, name: str) -> None:
         """The child answered healthy (after its start or restart); only the first report counts."""
         self._healthy_since.setdefault(name, self.clock())

@@ -274,6 +274,7 @@ def test_a_rolling_restart_of_every_worker_under_load_loses_no_request(cluster: 
         for t in threads:
             t.join(150)
     assert statuses == {w.name: 0 for w in c.workers()}  # each drained and exited cleanly
+    assert all(c.supervisor.policy.restarts(w.name) == 0 for w in c.workers())  # no crash
     assert results and all(not t.is_alive() for t in threads)
     for prompt, stream, (status, text, finish) in results:
         assert (status, finish) == (200, "length"), (stream, status, text)
