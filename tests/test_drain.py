@@ -305,6 +305,7 @@ def test_a_draining_gateway_refuses_new_requests_and_finishes_its_open_stream(cl
         gateway.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=10).status_code == 503,
                  "the gateway to say it is draining")
+        assert httpx.get(f"{c.url}/health", timeout=10).json()["status"] == "draining"
         refused = httpx.post(f"{c.url}/v1/completions", json={**body, "stream": False}, timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["type"]
         assert int(refused.headers["retry-after"]) >= 1

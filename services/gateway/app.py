@@ -103,9 +103,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """200 while the router answers with workers of both roles, and not draining."""
         status = await gw.link.status(timeout=1.0)
-        ready = status is not None and status.prefill_workers > 0 and status.decode_workers > 0
-        detail = {"status": "ok" if ready else "unavailable", "router": status is not None,
+        ready = (status is not None and status.prefill_workers > 0 and status.decode_workers > 0
+                 and not gw.drain.draining)
+        state = "draining" if gw.drain.draining else "ok" if ready else "unavailable"
+        detail = {"status": state, "router": status is not None,
                   "prefill_workers": status.prefill_workers if status else 0,
                   "decode_workers": status.decode_workers if status else 0,
                   "tokens_at": gw.link.reply_to}  # where workers push tokens (PULL)
