@@ -1,5 +1,5 @@
 """Prometheus metrics with vLLM's names under our ``tandem:`` prefix, and the small HTTP
-server (``/metrics``, ``/health``) that every non-gateway service runs.
+server (``/metrics``, ``/health``, ``/ready``) that every non-gateway service runs.
 
 Each service builds its own ``CollectorRegistry``, so several services can live in one
 test process without clashing.
@@ -80,18 +80,24 @@ class EngineMetrics(RequestMetrics):
 
 @dataclass(frozen=True, slots=True)
 class ServiceHealth:
-    """What ``/health`` answers: 200 with ``detail`` when ``ok``, else 503."""
+    """What ``/health`` (or ``/ready``) answers: 200 with ``detail`` when ``ok``, else 503
+    (``detail`` then says why, under ``reason``)."""
 
     ok: bool
     detail: dict[str, Any]
 
 
 class MetricsServer:
-    """``/metrics`` (Prometheus text) and ``/health`` (JSON) on a daemon thread."""
+    """``/metrics`` (Prometheus text), ``/health`` and ``/ready`` (JSON) on a daemon thread.
+
+    ``/health`` is liveness: the process answers (a probe that fails restarts it).
+    ``/ready`` is readiness: the service can take work now (a probe that fails only takes
+    it out of rotation); without a ``ready`` callable it answers as ``/health``."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 health: Callable[[], ServiceHealth]) -> None:
-        handler = _handler(registry, health)
+                 health: Callable[[], ServiceHealth],
+                 ready: Callable[[], ServiceHealth] | None = None) -> None:
+        handler = _handler(registry, health, ready or health)
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -107,13 +113,17 @@ class MetricsServer:
         self._server.server_close()
 
 
-def _handler(registry: CollectorRegistry, health: Callable[[], ServiceHealth]):
+def _handler(registry: CollectorRegistry, health: Callable[[], ServiceHealth],
+             ready: Callable[[], ServiceHealth]):
+    probes = {"/health": health, "/ready": ready}
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            probe = probes.get(self.path.partition("?")[0])
             if self.path.startswith("/metrics"):
                 self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))
-            elif self.path.startswith("/health"):
-                h = health()
+            elif probe is not None:
+                h = probe()
                 self._reply(200 if h.ok else 503, "application/json", json.dumps(h.detail).encode())
             else:
                 self._reply(404, "text/plain", b"not found\n")

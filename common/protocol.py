@@ -112,6 +112,24 @@ class Reregister(Message):
     lost_work: bool
 
 
+@message("registered")
+@dataclass(frozen=True, slots=True)
+class Registered(Message):
+    """The router's answer to every ``Register``: it knows the worker now (a worker is
+    ready, ``/ready``, only once its latest registration was answered)."""
+
+    worker_id: str
+
+
+@message("drained")
+@dataclass(frozen=True, slots=True)
+class Drained(Message):
+    """To a draining worker: nothing the router placed on it is left (every request it was
+    given has reported ``Finished``, failed or been aborted), so it may leave."""
+
+    worker_id: str
+
+
 # ---- workers -> gateway ---------------------------------------------------------------
 
 @message("tokens", version=2)
@@ -201,6 +219,26 @@ class Finished(Message):
     worker_id: str
     stage: FinishStage
     error: str | None = None
+
+
+@message("draining")
+@dataclass(frozen=True, slots=True)
+class Draining(Message):
+    """The worker is shutting down: place nothing new on it. It stays registered (KV
+    transfers to and from it, its ``Finished`` reports and its heartbeats go on) and
+    finishes what it holds; the router answers ``Drained`` once none of its placements is
+    left. Sent again after every registration while the drain lasts."""
+
+    worker_id: str
+
+
+@message("deregister")
+@dataclass(frozen=True, slots=True)
+class Deregister(Message):
+    """The worker leaves now (its drain is over, or it stops at once): the router forgets
+    it, and fails whatever it still had placed there back to the gateways as retryable."""
+
+    worker_id: str
 
 
 # ---- prefill -> decode (KV connector control) -----------------------------------------

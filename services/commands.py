@@ -12,7 +12,9 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from dataclasses import replace
+from typing import NoReturn
 
 from common.addresses import advertise_host
 from common.flags import add_engine_flags, default_of, engine_config, env
@@ -82,6 +84,10 @@ def add_worker_arguments(p: argparse.ArgumentParser, role: str) -> None:
                         "next (off: one transfer after the first token)")
     p.add_argument("--heartbeat-interval", type=float,
                    default=env("heartbeat_interval", default_of(W, "heartbeat_interval"), float))
+    p.add_argument("--drain-timeout", type=float,
+                   default=env("drain_timeout", default_of(W, "drain_timeout"), float),
+                   help="on SIGTERM, seconds to finish in-flight requests (no new ones come) "
+                        "before handing the rest to other workers; a second signal stops at once")
     p.add_argument("--kv-faults", default=env("kv_faults"), metavar="SPEC",
                    help="TEST ONLY: a prefill worker drops, truncates, corrupts or delays KV "
                         "transfers on purpose, e.g. 'drop=0.05,corrupt=0.05,delay=0.05:0.5,seed=7' "
@@ -114,6 +120,10 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    default=env("admission_timeout", default_of(G, "admission_timeout"), float),
                    help="wait this long for the router to place a request (longer than the "
                         "router's --queue-timeout)")
+    p.add_argument("--drain-timeout", type=float,
+                   default=env("drain_timeout", default_of(G, "drain_timeout"), float),
+                   help="on SIGTERM, refuse new requests (503) and give open ones this long "
+                        "to finish; a second signal stops at once")
     p.set_defaults(func=run_gateway)
 
 
@@ -162,17 +172,26 @@ def run_worker(args: argparse.Namespace) -> int:
         kv_shm=args.kv_shm, metrics_host=args.host,
         metrics_port=args.metrics_port, advertise_host=host, lease_seconds=args.lease_seconds,
         heartbeat_interval=args.heartbeat_interval, kv_faults=args.kv_faults or None,
-        kv_stream_chunks=args.kv_stream_chunks,
+        kv_stream_chunks=args.kv_stream_chunks, drain_timeout=args.drain_timeout,
         **({"worker_id": args.worker_id} if args.worker_id else {}))
     config = engine_config(args)
     if settings.shares_kv_cache:  # peers on this host map it: the transfer's one copy is theirs
         config = replace(config, cache=replace(config.cache, shared_memory=True))
     engine = Engine(config, detokenize=False)
     service = WorkerService(settings, engine)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: service.stop())
-    service.run()
-    return 0
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the first drains, a second stops at once
+        signal.signal(sig, lambda *_: service.request_drain())
+    service.run()  # returns once its sockets, threads and cache are closed
+    _exit_at_once(0)
+
+
+def _exit_at_once(status: int) -> NoReturn:
+    """Leave without the interpreter's teardown of torch and transformers (seconds on a
+    CPU, and a restart waits for it); everything of ours is closed already."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _kv_bind(args: argparse.Namespace) -> str:
@@ -181,19 +200,17 @@ def _kv_bind(args: argparse.Namespace) -> str:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from services.gateway.app import GatewaySettings, create_app
+    from services.gateway.drain import serve
 
     settings = GatewaySettings(
         router=args.router, stream_bind=f"tcp://{args.host}:{args.stream_port}",
         advertise_host=advertise_host(args.host, args.advertise_host, args.router),
         api_key=args.api_key, model=args.model, served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, request_timeout=args.request_timeout,
-        admission_timeout=args.admission_timeout)
-    app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
-    return 0
+        admission_timeout=args.admission_timeout, drain_timeout=args.drain_timeout)
+    serve(create_app(settings), args.host, args.port)  # returns once drained and closed
+    _exit_at_once(0)
 
 
 def add_service_parsers(sub) -> None:

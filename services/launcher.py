@@ -3,9 +3,12 @@
 Ports are picked up front on loopback, each child's output is prefixed with its name,
 ``up`` returns only once every service reports healthy, then supervises: a child that
 dies is restarted with the same command line (``services.supervision``), and only Ctrl-C /
-SIGTERM stops everything: children get SIGTERM, then SIGKILL after a grace period, and they
-die with the launcher even if it is killed outright (``PR_SET_PDEATHSIG``), so nothing is
-orphaned.
+SIGTERM stops everything: the gateway and the workers get SIGTERM first (the gateway
+refuses new requests, the workers drain: they finish what they hold while the router is
+still there to release them), SIGKILL for any still running after the drain timeout and a
+margin; then the router. Children die with the launcher even if it is killed outright
+(``PR_SET_PDEATHSIG``), so nothing is orphaned. ``LocalCluster.restart`` drains one child
+and starts it again (``rolling_restart``: every worker in turn).
 
 The public surface, shared by ``tandem up`` and the end-to-end tests: ``plan`` (the
 children for a set of ``up`` arguments), ``engine_argv`` (the engine flags forwarded to
@@ -28,13 +31,14 @@ from dataclasses import dataclass, field
 from common.addresses import free_port
 from common.config import available_cpus
 from common.connector import KVTransport, ShmMode
-from common.flags import add_engine_flags
+from common.flags import add_engine_flags, default_of
 from services.router.disagg import add_disagg_flags, disagg_argv
 from services.router.policies import RoutingPolicy
 from services.supervision import Supervisor
-from services.timeouts import add_timeout_flags, timeouts
+from services.timeouts import Timeouts, add_timeout_flags, timeouts
 
-GRACE_SECONDS = 10.0
+GRACE_SECONDS = 10.0  # the router, and anything not draining
+DRAIN_MARGIN_S = 5.0  # beyond a child's drain timeout before it is killed
 
 
 @dataclass(slots=True)
@@ -44,6 +48,11 @@ class Child:
     health_url: str
     proc: subprocess.Popen | None = None
     tail: list[str] = field(default_factory=list)
+
+    @property
+    def ready_url(self) -> str:
+        """Where the child says whether it can take work (``/ready``, beside ``/health``)."""
+        return self.health_url.replace("/health", "/ready")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -179,8 +188,12 @@ class LocalCluster:
     once every one reports healthy (or raises ``StartupError``), ``stop`` ends them all.
     Used by ``tandem up`` and by the end-to-end tests alike."""
 
-    def __init__(self, children: list[Child]) -> None:
+    def __init__(self, children: list[Child],
+                 drain_timeout: float = default_of(Timeouts, "drain_timeout")) -> None:
         self.children = children
+        self.drain_timeout = drain_timeout  # the children's --drain-timeout
+        # Children asked to exit one by one (``drain``): the supervisor leaves them alone.
+        self.retiring: set[str] = set()
         # Spawning and stopping exclude each other, so no child is started once stop began.
         self._lock = threading.Lock()
         self._stopping = False
@@ -197,11 +210,37 @@ class LocalCluster:
             raise
 
     def stop(self) -> None:
-        """SIGTERM to every running child (gateway first), SIGKILL after the grace period.
-        From here on ``respawn`` refuses, so a supervisor cannot bring a child back."""
+        """Drain the gateway and the workers (SIGTERM, gateway first; SIGKILL past the drain
+        timeout and a margin), then stop the router. From here on ``respawn`` refuses, so a
+        supervisor cannot bring a child back."""
         with self._lock:
             self._stopping = True
-        _shutdown(self.children)
+        _shutdown(self.children, self.drain_timeout + DRAIN_MARGIN_S)
+
+    def drain(self, child: Child) -> int:
+        """SIGTERM one child and wait for it to exit (SIGKILL past its drain timeout and a
+        margin); its exit is no crash to the supervisor. Returns its exit status."""
+        self.retiring.add(child.name)
+        child.proc.terminate()
+        _wait_or_kill([child], self.drain_timeout + DRAIN_MARGIN_S)
+        return child.proc.returncode
+
+    def restart(self, child: Child, timeout: float) -> int:
+        """Drain ``child``, start it again with the same command line, and wait until it is
+        ready (``/ready``; ``StartupError`` if not within ``timeout``). Returns the status
+        the drained process exited with."""
+        status = self.drain(child)
+        try:
+            if not self.respawn(child):
+                return status
+        finally:
+            self.retiring.discard(child.name)
+        _wait_healthy([child], threading.Event(), timeout, ready=True)
+        return status
+
+    def rolling_restart(self, children: list[Child], timeout: float) -> dict[str, int]:
+        """``restart`` each child in turn; their drained exit statuses by name."""
+        return {child.name: self.restart(child, timeout) for child in children}
 
     @property
     def stopping(self) -> bool:
@@ -233,7 +272,7 @@ class LocalCluster:
 
 
 def run(args: argparse.Namespace) -> int:
-    cluster = LocalCluster(plan(args))
+    cluster = LocalCluster(plan(args), timeouts(args).drain_timeout)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -277,14 +316,16 @@ def _say(name: str, line: str) -> None:
         print(f"{name:>10} | {line}", flush=True)
 
 
-def _wait_healthy(children: list[Child], stop: threading.Event, timeout: float) -> None:
+def _wait_healthy(children: list[Child], stop: threading.Event, timeout: float,
+                  ready: bool = False) -> None:
+    """Until every child answers 200 on ``/health`` (``ready``: on ``/ready``)."""
     deadline = time.monotonic() + timeout
     pending = list(children)
     while pending:
         for child in list(pending):
             if child.proc.poll() is not None:
                 raise StartupError(f"{child.name} failed to start (status {child.proc.returncode})")
-            if _healthy(child.health_url):
+            if _healthy(child.ready_url if ready else child.health_url):
                 pending.remove(child)
         if not pending:
             return
@@ -311,12 +352,23 @@ def _announce(args: argparse.Namespace, children: list[Child]) -> None:
         _say("launcher", f"  {child.name}: {child.health_url.replace('/health', '/metrics')}")
 
 
-def _shutdown(children: list[Child]) -> None:
+def _shutdown(children: list[Child], drain_seconds: float) -> None:
+    """The gateway and workers drain first (the router must be there to release the
+    workers), the router after them."""
     running = [c for c in children if c.proc is not None and c.proc.poll() is None]
-    for child in reversed(running):  # the gateway first, so clients stop arriving
+    router = [c for c in running if c.name == "router"]
+    draining = [c for c in running if c.name != "router"]
+    for child in reversed(draining):  # the gateway first, so clients stop arriving
         child.proc.terminate()
-    deadline = time.monotonic() + GRACE_SECONDS
-    for child in running:
+    _wait_or_kill(draining, drain_seconds)
+    for child in router:
+        child.proc.terminate()
+    _wait_or_kill(router, GRACE_SECONDS)
+
+
+def _wait_or_kill(children: list[Child], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for child in children:
         try:
             child.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """Supervision for ``tandem up``: a child that dies after the cluster is up is restarted
 with the same command line (same worker id, same ports) after a backoff; one dead child
-never stops the others.
+never stops the others. A child asked to exit (``LocalCluster.drain``, as a rolling
+restart does) did not crash: it is left to whoever asked.
 
 Two pieces: ``RestartPolicy``, the backoff table (time and counts only, clock injected, so
 its sequence is tested in-process), and ``Supervisor``, the loop that watches a started
@@ -41,6 +42,10 @@ class RestartPolicy:
         self._streak: dict[str, int] = {}  # exits since the last long-enough healthy period
         self._count: dict[str, int] = {}
         self._healthy_since: dict[str, float] = {}
+
+    def restarts(self, name: str) -> int:
+        """How many times the child was restarted after an exit of its own."""
+        return self._count.get(name, 0)
 
     def healthy(self, name: str) -> None:
         """The child answered healthy (after its start or restart); only the first report counts."""
@@ -88,6 +93,8 @@ class Supervisor:
         for child in self.cluster.children:
             if self.cluster.stopping:
                 return
+            if child.name in self.cluster.retiring:
+                continue  # asked to exit (a drain): whoever asked starts it again
             if child.name in self._due:
                 self._restart_when_due(child)
             elif child.proc is not None and child.proc.poll() is not None:

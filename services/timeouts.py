@@ -7,7 +7,9 @@ when it meets a peer configured against it:
 
 - the gateway waits for admission longer than the router lets a request queue;
 - the router waits for a silent worker across at least two of its heartbeats;
-- a prefill worker lends blocks to a transfer longer than the transport waits for a frame.
+- a prefill worker lends blocks to a transfer longer than the transport waits for a frame;
+- whoever stops a worker or the gateway (``tandem up``, compose's ``stop_grace_period``,
+  Kubernetes' ``terminationGracePeriodSeconds``) waits longer than its drain timeout.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Timeouts:
     heartbeat_interval: float = default_of(WorkerSettings, "heartbeat_interval")
     heartbeat_timeout: float = default_of(RouterSettings, "heartbeat_timeout")
     lease_seconds: float = default_of(WorkerSettings, "lease_seconds")
+    drain_timeout: float = default_of(WorkerSettings, "drain_timeout")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -40,10 +43,10 @@ class Timeouts:
         return _argv(self, "queue_timeout", "heartbeat_timeout")
 
     def worker_argv(self) -> list[str]:
-        return _argv(self, "heartbeat_interval", "lease_seconds")
+        return _argv(self, "heartbeat_interval", "lease_seconds", "drain_timeout")
 
     def gateway_argv(self) -> list[str]:
-        return _argv(self, "admission_timeout")
+        return _argv(self, "admission_timeout", "drain_timeout")
 
 
 def check_admission(admission_timeout: float, queue_timeout: float) -> None:

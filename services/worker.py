@@ -16,6 +16,14 @@ the KV connector's sender or receiver. Shipping KV out lives in ``services.kv_ou
 ``services.kv_inbox``; their bookkeeping in ``common.connector.transfers`` and
 ``streams``. Every handler runs guarded: a bad message or a failing
 request fails that request alone, is logged and counted, and the loop goes on.
+
+Shutdown (``services.worker_drain``): SIGTERM drains — the router hears ``Draining`` at
+once and places nothing new here, the worker finishes what it holds (a prefill worker
+its outgoing KV transfers too), and leaves when the router answers ``Drained``; at the
+drain deadline, or on a second signal, what is left is handed over (failed back to the
+gateways as retryable, so they continue it on other workers). ``/ready`` answers 200 only
+while the worker is registered (the router answered its latest ``Register``) and not
+draining.
 """
 
 from __future__ import annotations
@@ -35,12 +43,16 @@ from common.errors import InvalidRequestError
 from common.metrics import EngineMetrics, MetricsServer, ServiceHealth
 from common.protocol import (
     Abort,
+    Deregister,
+    Drained,
+    Draining,
     Finished,
     Heartbeat,
     KVEvents,
     Message,
     ProtocolError,
     Register,
+    Registered,
     Reregister,
     Task,
     Tokens,
@@ -51,6 +63,7 @@ from common.roles import FinishStage, WorkerRole
 from services.heartbeat import Heartbeater
 from services.kv_inbox import KVInbox
 from services.kv_outbox import KVOutbox
+from services.worker_drain import DrainState, Leave
 from services.worker_rates import WorkRates
 from services.worker_requests import GatewayPushers, RequestClock
 from services.worker_settings import WorkerSettings, check_lease, shared_kv, warn_faults
@@ -96,7 +109,7 @@ class WorkerService:
                                  clock=self.clock, metrics=self.metrics, guarded=self._guarded,
                                  fail=self._fail)
         self.http = MetricsServer(self._registry, settings.metrics_host, settings.metrics_port,
-                                  self._health)
+                                  self._health, self._ready)
         self.heartbeat = Heartbeater(self._ctx, settings.router, settings.worker_id,
                                      settings.heartbeat_interval)
         self._poller = zmq.Poller()
@@ -107,6 +120,9 @@ class WorkerService:
         self._wakeable = self.receiver is None or wakeup is not None
         self._stats_seen = (0, 0, 0, 0, 0)
         self._stopping = False
+        self.drain = DrainState(settings.drain_timeout)
+        self._registered = False  # the router answered our latest Register
+        self._left = False  # Deregister sent: flush the socket on close
 
     def _connector_error(self, kind: str, detail: str) -> None:
         """The connector logged a failure; count it (called on this loop's thread)."""
@@ -127,7 +143,13 @@ class WorkerService:
             self.close()
 
     def stop(self) -> None:
+        """Stop the loop at once (no drain: the router finds out from the silence)."""
         self._stopping = True
+
+    def request_drain(self) -> None:
+        """SIGTERM / SIGINT: the first drains, a second hands over and leaves at once.
+        Only counts (a signal handler may call it): the loop acts on its next tick."""
+        self.drain.ask()
 
     def close(self) -> None:
         for closer in (self.sender, self.receiver):
@@ -135,7 +157,7 @@ class WorkerService:
                 closer.close()
         self.heartbeat.close()
         self.pushers.close()
-        self.router.close(linger=0)
+        self.router.close(linger=1000 if self._left else 0)  # a Deregister must get out
         self.http.close()
         self._ctx.term()
 
@@ -161,6 +183,8 @@ class WorkerService:
             self.outbox.ship_handoffs()
             self.outbox.settle()
         self._report()
+        if self.drain.asked:
+            self._advance_drain()
 
     @property
     def incoming(self):
@@ -226,6 +250,10 @@ class WorkerService:
                 self._guarded("abort", None, None, lambda m=msg: self._on_abort(m.request_id))
             elif isinstance(msg, Reregister):
                 self._guarded("reregister", None, None, lambda m=msg: self._rejoin(m.lost_work))
+            elif isinstance(msg, Registered):
+                self._registered = msg.worker_id == self.s.worker_id
+            elif isinstance(msg, Drained):
+                self.drain.released = self.drain.started
             else:
                 log.warning("unexpected %s from the router", msg.TAG)
 
@@ -259,8 +287,8 @@ class WorkerService:
                      len(self.engine.request_ids()))
         self._register()
 
-    def _fail(self, request_id: str, reply_to: str, error: str) -> None:
-        self.pushers.send(reply_to, Tokens(request_id, 0, 0, [], error=error))
+    def _fail(self, request_id: str, reply_to: str, error: str, retryable: bool = False) -> None:
+        self.pushers.send(reply_to, Tokens(request_id, 0, 0, [], error=error, retryable=retryable))
         self._send_router(Finished(request_id, self.s.worker_id, FinishStage.REQUEST, error=error))
         self.metrics.success.labels("error").inc()
 
@@ -293,12 +321,57 @@ class WorkerService:
 
     def _register(self) -> None:
         e = self.engine
+        self._registered = False  # until the router answers this one
         self._send_router(Register(
             self.s.worker_id, self.s.role, self.kv_address,
             f"http://{self.s.advertise_host}:{self.http.port}/metrics", e.stats().num_blocks,
             e.block_size, e.max_model_len, e.loaded.name, self.s.heartbeat_interval,
             e.cached_block_hashes()))
         e.take_kv_events()  # the snapshot above already holds them
+        if self.drain.started:  # a new router (or record) must hear it again
+            self.drain.rejoined()
+            self._send_router(Draining(self.s.worker_id))
+
+    # ---- drain ----------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is left here: no request, no KV arriving, no transfer out in flight."""
+        return not (len(self.clock) or self.engine.has_unfinished or self.num_arriving
+                    or len(self.outgoing))
+
+    @property
+    def left(self) -> bool:
+        """The drain is over: ``Deregister`` was sent and the loop ends."""
+        return self._left
+
+    def _advance_drain(self) -> None:
+        if self._left:
+            return
+        if self.drain.start():
+            log.info("draining: no new work; finishing %d requests within %g s",
+                     len(self.clock), self.drain.timeout)
+            self._send_router(Draining(self.s.worker_id))
+        leave = self.drain.decide(self.idle, self._registered)
+        if leave is Leave.STAY:
+            return
+        if leave is Leave.HAND_OVER:
+            self._hand_over()
+        self.heartbeat.close()  # no beat may follow the Deregister
+        self._send_router(Deregister(self.s.worker_id))
+        self._left = self._stopping = True
+        log.info("drained: leaving")
+
+    def _hand_over(self) -> None:
+        """Fail every request still here back to its gateway as retryable (the gateway
+        continues it on another worker with the tokens already delivered)."""
+        metas = self.clock.requests()
+        log.warning("drain deadline: handing %d requests over to other workers", len(metas))
+        for meta in metas:
+            self._on_abort(meta.request_id)
+            self._fail(meta.request_id, meta.reply_to,
+                       f"worker {self.s.worker_id} shut down while serving the request",
+                       retryable=True)
 
     def _report(self) -> None:
         """KV events, metrics and the heartbeat's snapshot, after every tick (all cheap)."""
@@ -329,6 +402,17 @@ class WorkerService:
 
     def _send_router(self, msg: Message) -> None:
         self.router.send(encode(msg))
+
+    def _ready(self) -> ServiceHealth:
+        """Readiness: the model is loaded (this server runs), the router knows us, and we
+        are not draining."""
+        reason = ("draining" if self.drain.asked else
+                  None if self._registered else "not registered with the router")
+        detail = {"status": "ready" if reason is None else "not ready",
+                  "role": self.s.role.value, "worker_id": self.s.worker_id}
+        if reason is not None:
+            detail["reason"] = reason
+        return ServiceHealth(reason is None, detail)
 
     def _health(self) -> ServiceHealth:
         stats = self.engine.stats()

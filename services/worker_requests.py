@@ -64,6 +64,13 @@ class RequestClock:
         self._meta[request_id] = meta
         return meta
 
+    def __len__(self) -> int:
+        """Requests this worker holds (from their task or KV until they end here)."""
+        return len(self._meta)
+
+    def requests(self) -> list[RequestMeta]:
+        return list(self._meta.values())
+
     def get(self, request_id: str) -> RequestMeta | None:
         return self._meta.get(request_id)
 

@@ -32,6 +32,7 @@ class WorkerSettings:
     lease_seconds: float = 40.0  # unacked this long, a shipped request's blocks are freed (> the
     # transport's frame timeout, 30 s for UCX, so a slow transfer is never freed mid-send)
     heartbeat_interval: float = 0.25
+    drain_timeout: float = 30.0  # SIGTERM: seconds to finish in-flight work before handing it over
     kv_transfer_attempts: int = 2  # a failed transfer goes once more, same blocks, new id
     kv_stream_chunks: bool = True  # prefill: ship each chunk's computed blocks while the next
     # chunk computes (a prompt of one chunk goes in one transfer either way)
@@ -48,6 +49,8 @@ class WorkerSettings:
             object.__setattr__(self, "kv_faults", FaultPlan.parse(self.kv_faults))
         if self.lease_seconds <= 0 or self.heartbeat_interval <= 0:
             raise ValueError("lease_seconds and heartbeat_interval must be > 0")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout:g}")
         if self.kv_transfer_attempts < 1:
             raise ValueError(f"kv_transfer_attempts must be >= 1, got {self.kv_transfer_attempts}")
         if self.kv_faults is not None and self.kv_faults.delays and self.kv_faults.delay_s >= self.lease_seconds:

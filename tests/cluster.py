@@ -47,7 +47,8 @@ class Cluster:
                 "--colocated", str(self.colocated), "--kv-transport", self.kv_transport,
                 "--disagg-mode", self.disagg_mode,
                 "--threads", "1", *self.extra]
-        self.local = launcher.LocalCluster(launcher.plan(build_parser().parse_args(argv)))
+        args = build_parser().parse_args(argv)
+        self.local = launcher.LocalCluster(launcher.plan(args), args.drain_timeout)
         try:
             self.local.start(timeout=240)
         except launcher.StartupError as e:

@@ -23,6 +23,7 @@ from common.protocol import (
     Ping,
     Queued,
     Register,
+    Registered,
     Rejected,
     Reregister,
     Status,
@@ -450,9 +451,11 @@ class Cluster:
         await self.status(peer)
 
     async def worker(self, worker_id: str, role: str = "colocated", **kw) -> Peer:
-        """Register a worker; the Ping after it on the same socket proves it was handled."""
+        """Register a worker: the router answers ``Registered``, then a Ping on the same
+        socket is answered after whatever the registration set off."""
         w = self.peer(worker_id)
         await w.send(register(worker_id, role, **kw))
+        assert await w.expect(Registered) == Registered(worker_id)
         await self.status(w)
         return w
 
@@ -716,7 +719,7 @@ async def test_a_decode_side_failure_aborts_the_prefill_side(c: Cluster):
 async def test_a_worker_that_reregisters_brings_its_cache_into_the_index(c: Cluster):
     w = c.peer("w1")
     await w.send(replace(register("w1"), cached_blocks=HASHES[:3]))
-    await c.status(w)
+    await w.expect(Registered)
     assert c.service.index.matched_blocks("w1", HASHES) == 3
 
 
@@ -871,6 +874,7 @@ def test_while_a_dead_prefill_worker_is_expected_back_requests_queue(clock):
         assert await gw.expect(Queued) == Queued("r1")  # queued, not refused: p1 may return
         assert (await c.status(gw)).queue_length == 1
         await p.send(register("p1", "prefill"))  # restarted
+        await p.expect(Registered)
         assert (await p.expect(Task)).request_id == "r1"
         assert await gw.expect(Admitted) == Admitted("r1")
 
@@ -909,6 +913,7 @@ def test_a_router_just_started_queues_until_workers_register(clock):
         assert await gw.expect(Queued) == Queued("r1")
         w = c.peer("w1")
         await w.send(register("w1", "colocated"))  # registering drains the queue
+        assert await w.expect(Registered) == Registered("w1")
         assert (await w.expect(Task)).request_id == "r1"
         assert await gw.expect(Admitted) == Admitted("r1")
 

@@ -5,7 +5,9 @@ for admission (429/503 with ``Retry-After`` when refused) → gather tokens from
 workers produce them (``ResponseAssembler`` orders, detokenizes and applies stop strings) →
 answer as JSON or as server-sent events (``responses``). A client that goes away, a stop
 string, or a timeout aborts the request on every service, so its KV blocks are freed.
-Every error body, and the API key, are ``guards``' business.
+Every error body, and the API key, are ``guards``' business; shutting down without
+cutting a stream is ``drain``'s (SIGTERM: new requests get 503, ``/ready`` 503, open
+ones finish).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from common.protocol import Rejected, Tokens
 from services.gateway import openapi, responses
 from services.gateway.assembler import ResponseAssembler
 from services.gateway.disconnect import ClientGone, ClientWatch
+from services.gateway.drain import GatewayDrain, OpenRequests
 from services.gateway.errors import APIError
 from services.gateway.guards import install_guards, read_body
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
@@ -39,6 +42,7 @@ from services.timeouts import check_admission
 
 log = logging.getLogger("tandem.gateway")
 ROUTER_RETRY_AFTER = 2.0  # seconds a client waits before retrying while the router is away
+DRAIN_RETRY_AFTER = 1.0  # a draining gateway's clients retry (another gateway) at once
 
 
 class Gateway:
@@ -57,6 +61,7 @@ class Gateway:
         self.http_requests = Counter("tandem:http_requests", "HTTP responses", ["status"],
                                      registry=self.registry)
         self.link: RouterLink | None = None
+        self.drain = GatewayDrain()
         self.created = int(time.time())
 
     @property
@@ -94,16 +99,31 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.gateway = gw
     install_guards(app, settings.api_key, lambda e: error_response(gw, e))
+    app.add_middleware(OpenRequests, drain=gw.drain)
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """200 while the router answers with workers of both roles, and not draining."""
         status = await gw.link.status(timeout=1.0)
-        ready = status is not None and status.prefill_workers > 0 and status.decode_workers > 0
-        detail = {"status": "ok" if ready else "unavailable", "router": status is not None,
+        ready = (status is not None and status.prefill_workers > 0 and status.decode_workers > 0
+                 and not gw.drain.draining)
+        state = "draining" if gw.drain.draining else "ok" if ready else "unavailable"
+        detail = {"status": state, "router": status is not None,
                   "prefill_workers": status.prefill_workers if status else 0,
                   "decode_workers": status.decode_workers if status else 0,
                   "tokens_at": gw.link.reply_to}  # where workers push tokens (PULL)
         return JSONResponse(detail, status_code=200 if ready else 503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: linked to the router (it answers a ping) and not draining."""
+        status = None if gw.drain.draining else await gw.link.status(timeout=1.0)
+        reason = ("draining" if gw.drain.draining else
+                  "the router does not answer" if status is None else None)
+        if reason is not None:
+            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ready", "prefill_workers": status.prefill_workers,
+                             "decode_workers": status.decode_workers})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -136,6 +156,9 @@ def error_response(gw: Gateway, e: APIError) -> JSONResponse:
 
 
 async def handle(gw: Gateway, request: Request, kind: str) -> Response:
+    if gw.drain.draining:
+        raise APIError.unavailable("the server is shutting down: retry the request",
+                                   retry_after=DRAIN_RETRY_AFTER)
     try:
         raw = await read_body(request)
     except ClientDisconnect:  # gone before its body arrived: nothing to abort upstream

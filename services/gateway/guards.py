@@ -1,7 +1,7 @@
 """What every HTTP request to the gateway passes through, whatever its route.
 
-* The API key: with ``--api-key`` set, every path but ``/health`` (which load balancers
-  and the launcher probe without credentials) needs ``Authorization: Bearer KEY``,
+* The API key: with ``--api-key`` set, every path but ``/health`` and ``/ready`` (which
+  load balancers, Kubernetes and the launcher probe without credentials) needs ``Authorization: Bearer KEY``,
   compared in constant time.
 * Error bodies: every error a client sees has OpenAI's ``{"error": {...}}`` shape —
   our own ``APIError``s, Starlette's 404/405, FastAPI's validation errors, and any
@@ -27,7 +27,7 @@ from services.gateway.errors import APIError
 log = logging.getLogger("tandem.gateway")
 
 Respond = Callable[[APIError], Response]  # an APIError as the response that carries it
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})  # probes need no key
 
 
 def install_guards(app: FastAPI, api_key: str | None, respond: Respond) -> None:

@@ -21,6 +21,7 @@ class GatewaySettings:
     max_model_len: int | None = None  # None: the model's (and the workers') limit
     request_timeout: float = 600.0  # silence from the workers that fails a request
     admission_timeout: float = 120.0  # must exceed the router's queue timeout
+    drain_timeout: float = 30.0  # SIGTERM: open requests get this long to finish
 
     def __post_init__(self) -> None:
         for name in ("router", "stream_bind"):
@@ -40,6 +41,9 @@ class GatewaySettings:
             _check(not isinstance(self.max_model_len, bool) and isinstance(self.max_model_len, int)
                    and self.max_model_len >= 1, "max_model_len",
                    f"must be a positive integer, got {self.max_model_len!r}")
+        _check(isinstance(self.drain_timeout, int | float) and math.isfinite(self.drain_timeout)
+               and self.drain_timeout >= 0, "drain_timeout",
+               f"must be a number of seconds >= 0, got {self.drain_timeout!r}")
         for name in ("request_timeout", "admission_timeout"):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)

@@ -3,6 +3,10 @@
 Load has two sources. Heartbeats report what a worker itself sees (running, waiting,
 free blocks); ``services.router.ledger`` adds what the router has placed since, and is
 the only writer of ``outstanding_tokens`` and ``reserved_blocks``.
+
+A draining worker (``Draining``) stays in the table — its heartbeats, KV transfers and
+``Finished`` reports go on as before — but is no candidate for new work:
+``prefill_workers`` and ``decode_workers`` are the workers placement may choose.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class WorkerInfo:
     step_seconds: float | None = None  # its recent engine step time (None: not measured yet)
     prefill_s_per_token: float | None = None  # a prefill worker's measured compute cost
     transfer_s_per_token: float | None = None  # a prefill worker's measured link cost
+    draining: bool = False  # shutting down: finishes what it holds, is given nothing new
 
     @property
     def can_prefill(self) -> bool:
@@ -55,12 +60,14 @@ class Registry:
         self.workers: dict[str, WorkerInfo] = {}
         self._prefill: list[WorkerInfo] = []
         self._decode: list[WorkerInfo] = []
+        self._draining: list[WorkerInfo] = []
         self._max_model_len: int | None = None
 
     def _membership_changed(self) -> None:
         live = self.workers.values()
-        self._prefill = [w for w in live if w.can_prefill]
-        self._decode = [w for w in live if w.can_decode]
+        self._prefill = [w for w in live if w.can_prefill and not w.draining]
+        self._decode = [w for w in live if w.can_decode and not w.draining]
+        self._draining = [w for w in live if w.draining]
         self._max_model_len = min((w.max_model_len for w in live), default=None)
 
     def register(self, msg: Register, now: float) -> WorkerInfo:
@@ -98,13 +105,26 @@ class Registry:
             self._membership_changed()
         return info
 
+    def drain(self, worker_id: str) -> WorkerInfo | None:
+        """Mark a worker as draining; None if it is not registered."""
+        info = self.workers.get(worker_id)
+        if info is not None and not info.draining:
+            info.draining = True
+            self._membership_changed()
+        return info
+
     def prefill_workers(self) -> list[WorkerInfo]:
-        """Prefill-capable live workers, in registration order (a fresh list)."""
+        """Prefill-capable live workers that may take new work (not draining), in
+        registration order (a fresh list)."""
         return list(self._prefill)
 
     def decode_workers(self) -> list[WorkerInfo]:
-        """Decode-capable live workers, in registration order (a fresh list)."""
+        """Decode-capable live workers that may take new work (not draining), in
+        registration order (a fresh list)."""
         return list(self._decode)
+
+    def draining_workers(self) -> list[WorkerInfo]:
+        return list(self._draining)
 
     def max_model_len(self) -> int | None:
         """The smallest context limit among live workers (None when there are none)."""

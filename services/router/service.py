@@ -7,6 +7,11 @@ to the decode worker itself when ``DisaggRule`` says its prompt is better prefil
 ``Admitted`` to the gateway)
 → ``Finished(prefill)`` → ``Finished(request)``. A dead worker's requests are failed
 back to their gateways at once, and the surviving side is told to abort them.
+
+A worker that shuts down says ``Draining``: it gets no new work from then on but stays
+registered while it finishes what it holds; once nothing the router placed on it is
+left, the router answers ``Drained``, and the worker's ``Deregister`` takes it out (what
+it still held then is failed back as retryable, as for a dead worker).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from common.metrics import LATENCY_BUCKETS, MetricsServer, ServiceHealth
 from common.protocol import (
     Abort,
     Admitted,
+    Deregister,
+    Drained,
+    Draining,
     Finished,
     Heartbeat,
     KVEvents,
@@ -38,6 +46,7 @@ from common.protocol import (
     ProtocolError,
     Queued,
     Register,
+    Registered,
     Rejected,
     Reregister,
     Status,
@@ -134,6 +143,8 @@ class RouterService:
         # prefill-capable one is expected back, requests wait in the queue instead of a 503.
         self._started = clock()
         self._declared_dead: OrderedDict[str, tuple[WorkerRole, float]] = OrderedDict()
+        self._unreleased: set[str] = set()  # draining workers not yet told ``Drained``
+        self._serving = False  # the loop is reading the socket (``/ready``)
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
         self._decode_steps = decode_policy()
@@ -147,7 +158,7 @@ class RouterService:
         self._metrics_registry = CollectorRegistry()
         self._init_metrics()
         self.metrics = MetricsServer(self._metrics_registry, settings.metrics_host,
-                                     settings.metrics_port, self._health)
+                                     settings.metrics_port, self._health, self._ready)
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -156,6 +167,7 @@ class RouterService:
         log.info("router on %s (policy %s), metrics on :%d", self.address, self.settings.policy,
                  self.metrics.port)
         maintenance = asyncio.create_task(self._maintain(stop))
+        self._serving = True
         try:
             while not stop.is_set():
                 if not await self.sock.poll(200):
@@ -163,6 +175,7 @@ class RouterService:
                 await self._handle_waiting()
                 await asyncio.sleep(0)  # a ready poll does not yield: let maintenance run
         finally:
+            self._serving = False
             maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await maintenance
@@ -216,6 +229,7 @@ class RouterService:
                     self.queue.remove(routed)
                     await self._refuse(routed, NO_PREFILL)
             await self._drain_queue()
+            await self._release_drained()
             self._update_gauges()
 
     # ---- messages -----------------------------------------------------------------
@@ -225,12 +239,15 @@ class RouterService:
             Submit: self._on_submit, Abort: self._on_abort, Ping: self._on_ping,
             Register: self._on_register, Heartbeat: self._on_heartbeat,
             KVEvents: self._on_kv_events, Finished: self._on_finished,
+            Draining: self._on_draining, Deregister: self._on_deregister,
         }.get(type(msg))
         if handler is None:
             log.warning("unexpected %s from %r", msg.TAG, identity)
             return
         try:
             await handler(identity, msg)
+            if self._unreleased:  # whatever ended a request may have freed a draining worker
+                await self._release_drained()
         except Exception:  # one peer's bad message must not take the router down
             log.exception("failed to handle %s from %r", msg.TAG, identity)
 
@@ -275,6 +292,8 @@ class RouterService:
         again on their next heartbeat."""
         if self._clock() - self._started < self.settings.startup_grace:
             return True
+        if any(w.can_prefill for w in self.registry.draining_workers()):
+            return True  # draining: most likely being replaced (a rolling restart)
         horizon = self._clock() - self.settings.queue_timeout
         return any(role.can_prefill and since > horizon
                    for role, since in self._declared_dead.values())
@@ -304,6 +323,8 @@ class RouterService:
                         "--heartbeat-interval %g", msg.worker_id, self.settings.heartbeat_timeout,
                         msg.heartbeat_interval)
         self.registry.register(msg, self._clock())
+        self._unreleased.discard(msg.worker_id)  # a fresh record: draining again only if it says so
+        await self._send(identity, Registered(msg.worker_id))
         self.index.drop_worker(msg.worker_id)
         self.index.apply(KVEvents(msg.worker_id, stored=msg.cached_blocks))
         log.info("registered %s worker %s (%d blocks, %d cached)", msg.role.value, msg.worker_id,
@@ -316,6 +337,32 @@ class RouterService:
         else:  # declared dead earlier (its requests are failed already), or we are new
             lost = msg.worker_id in self._declared_dead
             await self._send(msg.worker_id.encode(), Reregister(msg.worker_id, lost_work=lost))
+
+    async def _on_draining(self, identity: bytes, msg: Draining) -> None:
+        if self.registry.drain(msg.worker_id) is None:
+            log.warning("draining from unregistered worker %s: ignored", msg.worker_id)
+            return
+        log.info("worker %s is draining: no new work is placed on it", msg.worker_id)
+        self._unreleased.add(msg.worker_id)
+
+    async def _release_drained(self) -> None:
+        """Tell each draining worker with nothing of the router's left that it may go."""
+        for worker_id in list(self._unreleased):
+            if worker_id not in self.registry.workers:
+                self._unreleased.discard(worker_id)
+            elif not self.ledger.requests_on(worker_id):
+                self._unreleased.discard(worker_id)
+                await self._send(worker_id.encode(), Drained(worker_id))
+
+    async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
+        worker = self.registry.remove(msg.worker_id)
+        self._unreleased.discard(msg.worker_id)
+        if worker is None:
+            return
+        left = self.ledger.requests_on(msg.worker_id)
+        log.info("worker %s left%s", msg.worker_id,
+                 f", handing {len(left)} requests back to their gateways" if left else "")
+        await self._worker_gone(worker)  # expected back for a while, as a dead one is
 
     async def _on_kv_events(self, identity: bytes, msg: KVEvents) -> None:
         if msg.worker_id in self.registry.workers:
@@ -430,6 +477,13 @@ class RouterService:
         r = self._metrics_registry
         self._queue_len = Gauge("tandem:router_queue_length", "Requests waiting for a worker", registry=r)
         self._workers = Gauge("tandem:router_workers", "Live workers", ["role"], registry=r)
+        self._draining = Gauge("tandem:router_workers_draining", "Workers shutting down (given "
+                               "no new work)", ["role"], registry=r)
+        self._in_flight = Gauge("tandem:router_requests_in_flight", "Requests placed or queued "
+                                "and not yet finished", registry=r)
+        self._charged = Gauge("tandem:router_ledger_charges", "The load ledger's open charges: "
+                              "prompt tokens not yet prefilled, decode blocks reserved for KV "
+                              "not yet arrived", ["kind"], registry=r)
         self._rejections = Counter("tandem:router_rejections", "Requests refused", ["status"], registry=r)
         self._placements = Counter("tandem:router_placements", "Requests placed", ["worker"], registry=r)
         self._prefill_choices = Counter(
@@ -451,10 +505,21 @@ class RouterService:
         for role in WorkerRole:
             self._workers.labels(role.value).set(
                 sum(w.role is role for w in self.registry.workers.values()))
+            self._draining.labels(role.value).set(
+                sum(w.role is role for w in self.registry.draining_workers()))
         self._costs.update(self.registry.prefill_workers())
+        self._in_flight.set(len(self.requests))
+        workers = self.registry.workers.values()
+        self._charged.labels("tokens").set(sum(w.outstanding_tokens for w in workers))
+        self._charged.labels("blocks").set(sum(w.reserved_blocks for w in workers))
 
     def _health(self) -> ServiceHealth:
         reg = self.registry
         return ServiceHealth(True, {"status": "ok", "prefill_workers": len(reg.prefill_workers()),
                                     "decode_workers": len(reg.decode_workers()),
                                     "queue_length": len(self.queue)})
+
+    def _ready(self) -> ServiceHealth:
+        if not self._serving:
+            return ServiceHealth(False, {"status": "not ready", "reason": "not serving"})
+        return ServiceHealth(True, {"status": "ready", "address": self.address})
