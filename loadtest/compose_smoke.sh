@@ -6,14 +6,17 @@
 #   2. dockerd: starts one in the background (log: $STATE_DIR/dockerd.log) unless one
 #      answers already, and stops it at the end only if it started it;
 #   3. base: builds tandem-base:bookworm with debootstrap (minbase + python3, venv, gcc,
-#      libc6-dev) and `docker import`; reused when it exists;
+#      libc6-dev, and the host's local CAs from /usr/local/share/ca-certificates, so that
+#      a TLS-intercepting proxy stays trusted) and `docker import`; reused when it exists;
 #   4. image: builds tandem:latest from the Dockerfile on that base, with host networking
 #      (pip reaches the registry) and the local torch CPU wheel copied into wheels/;
 #   5. compose up with 1 prefill + 1 decode, waiting until every service is healthy;
 #   6. a chat completion through the gateway's published port, its answer checked;
 #   7. decode scaled to 2: the router must count both;
 #   8. one decode killed (`docker kill`): requests must succeed on the other while it is
-#      down, then `compose up` brings it back and the router counts 2 again;
+#      down, then `compose up` brings it back and the router counts 2 again; then one
+#      decode crashes (SIGKILL to its process): the restart policy restarts it, requests
+#      succeed meanwhile, and the router counts 2 again once it is healthy;
 #   9. teardown: compose down -v (and the images with --remove-images).
 # Each step says what it does; the last line is PASS or FAIL with the total runtime, after
 # a table of the phases' durations. Safe to rerun.
@@ -103,8 +106,8 @@ install_packages() {
   if [ ${#missing[@]} -eq 0 ]; then say "docker.io, debootstrap and curl are installed"; return; fi
   say "apt-get install ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q
-  apt-get install -y -q --no-install-recommends "${missing[@]}"
+  { apt-get update -q && apt-get install -y -q --no-install-recommends "${missing[@]}"; } \
+    >"$STATE_DIR/apt.log" 2>&1 || { tail -20 "$STATE_DIR/apt.log"; die "apt-get failed"; }
 }
 
 start_dockerd() {
@@ -151,6 +154,12 @@ build_base() {
   say "debootstrap bookworm (minbase + $BASE_PACKAGES) from $DEBIAN_MIRROR"
   debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$rootfs" "$DEBIAN_MIRROR" \
     >"$STATE_DIR/debootstrap.log" 2>&1 || { tail -20 "$STATE_DIR/debootstrap.log"; die "debootstrap failed"; }
+  # The host's local CAs (e.g. a TLS-intercepting proxy's) so pip in the build trusts them too.
+  if compgen -G '/usr/local/share/ca-certificates/*.crt' >/dev/null; then
+    say "adding the host's local CAs: $(ls /usr/local/share/ca-certificates/*.crt | xargs -n1 basename | xargs)"
+    cp /usr/local/share/ca-certificates/*.crt "$rootfs/usr/local/share/ca-certificates/"
+    chroot "$rootfs" update-ca-certificates >>"$STATE_DIR/debootstrap.log" 2>&1
+  fi
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
   say "docker import -> $BASE_IMAGE ($(du -sh "$rootfs" | cut -f1))"
   tar -C "$rootfs" -c . | docker import \
@@ -184,10 +193,10 @@ build_image() {
     say "no local torch wheel found (TORCH_WHEEL=...): pip will download torch in the build"
   fi
   say "docker build --network host --build-arg BASE_IMAGE=$BASE_IMAGE -t $IMAGE"
-  docker build --network host --build-arg BASE_IMAGE="$BASE_IMAGE" \
+  docker build --network host --force-rm --build-arg BASE_IMAGE="$BASE_IMAGE" \
     --build-arg TORCH_PIP_ARGS="${TORCH_PIP_ARGS:-}" -t "$IMAGE" "$ROOT" \
     >"$STATE_DIR/build.log" 2>&1 || { tail -40 "$STATE_DIR/build.log"; die "docker build failed"; }
-  grep -E '^(model at|CPU kernels:)' "$STATE_DIR/build.log" | sed 's/^/    /' || true
+  sed -n 's/^\(\x1b\[0m\)*\(model at .*\|CPU kernels: .*\)/    \2/p' "$STATE_DIR/build.log" || true
   say "$IMAGE built: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.2f GB", $1/1e9}')"
 }
 
@@ -216,6 +225,8 @@ print(repr(choice['message']['content']), r['usage'])" <<<"$body"
 }
 
 decode_count_is() { [ "$(router_decodes)" = "$1" ]; }
+restarted() { [ "$(docker inspect -f '{{.RestartCount}}' "$1")" -ge 1 ]; }
+healthy() { [ "$(docker inspect -f '{{.State.Health.Status}}' "$1")" = healthy ]; }
 
 main() {
   [ "$(id -u)" = 0 ] || die "run as root (apt, dockerd, debootstrap)"
@@ -262,6 +273,19 @@ main() {
     --wait --wait-timeout "$WAIT_SECONDS"
   poll 120 "2 decode workers at the router again" decode_count_is 2
   say "the router counts 2 decode workers again"
+  chat
+
+  # A crash (the process dies, not `docker kill`, which Docker counts as a manual stop):
+  # compose's restart policy must bring the container back by itself.
+  victim=$(compose ps -q decode | tail -1)
+  say "crash: SIGKILL to the main process of decode container ${victim:0:12}"
+  kill -KILL "$(docker inspect -f '{{.State.Pid}}' "$victim")"
+  poll 60 "the restart policy to restart ${victim:0:12}" restarted "$victim"
+  say "restarted by the restart policy: $(docker inspect -f 'restarts={{.RestartCount}}' "$victim")"
+  chat
+  poll "$WAIT_SECONDS" "${victim:0:12} to be healthy again" healthy "$victim"
+  poll 120 "2 decode workers at the router after the crash" decode_count_is 2
+  say "the router counts 2 decode workers after the crash"
   chat
 }
 
