@@ -192,11 +192,16 @@ build_image() {
   else
     say "no local torch wheel found (TORCH_WHEEL=...): pip will download torch in the build"
   fi
-  say "docker build --network host --build-arg BASE_IMAGE=$BASE_IMAGE -t $IMAGE"
+  local previous
+  previous=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
+  say "docker build --network host --force-rm --build-arg BASE_IMAGE=$BASE_IMAGE -t $IMAGE"
   docker build --network host --force-rm --build-arg BASE_IMAGE="$BASE_IMAGE" \
     --build-arg TORCH_PIP_ARGS="${TORCH_PIP_ARGS:-}" -t "$IMAGE" "$ROOT" \
     >"$STATE_DIR/build.log" 2>&1 || { tail -40 "$STATE_DIR/build.log"; die "docker build failed"; }
   sed -n 's/^\(\x1b\[0m\)*\(model at .*\|CPU kernels: .*\)/    \2/p' "$STATE_DIR/build.log" || true
+  if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' "$IMAGE")" ]; then
+    docker image rm "$previous" >/dev/null 2>&1 || true  # the replaced image; the build cache stays
+  fi
   say "$IMAGE built: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.2f GB", $1/1e9}')"
 }
 
