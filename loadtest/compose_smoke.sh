@@ -23,11 +23,14 @@
 #
 #   loadtest/compose_smoke.sh [--remove-images] [--rebuild-base] [--keep-up]
 #
+# --remove-images: also remove tandem:latest, the base and the build cache at the end (by
+# default they stay, so a rerun builds only what changed); --rebuild-base: debootstrap the
+# base again; --keep-up: leave the services (and a dockerd it started) running.
 # Environment: STATE_DIR (default /var/cache/tandem-smoke: dockerd's log, compose binary),
 # DEBIAN_MIRROR (default http://deb.debian.org/debian), GATEWAY_PORT (default 8000),
 # TORCH_WHEEL (path of the torch wheel to build with; default: found in pip's find-links),
 # TORCH_PIP_ARGS (passed to the Dockerfile), WAIT_SECONDS (default 900: health deadline).
-set -euo pipefail
+set -Eeuo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 STATE_DIR=${STATE_DIR:-/var/cache/tandem-smoke}
@@ -81,11 +84,11 @@ finish() {
     phase teardown
     say "compose down -v"
     compose down -v --remove-orphans || true
-    if [ $REMOVE_IMAGES = 1 ]; then
-      say "removing $IMAGE, $BASE_IMAGE and dangling build layers"
-      docker image rm -f "$IMAGE" "$BASE_IMAGE" || true
-      docker image prune -f >/dev/null || true
-    fi
+  fi
+  if [ $REMOVE_IMAGES = 1 ] && [ $KEEP_UP = 0 ] && docker info >/dev/null 2>&1; then
+    say "removing $IMAGE, $BASE_IMAGE and dangling build layers"
+    docker image rm -f "$IMAGE" "$BASE_IMAGE" >/dev/null || true
+    docker image prune -f >/dev/null || true
   fi
   if [ -n "$DOCKERD_PID" ] && [ $KEEP_UP = 0 ]; then
     say "stopping the dockerd this run started (pid $DOCKERD_PID)"
@@ -97,6 +100,7 @@ finish() {
   say "$RESULT in $((SECONDS - START)) s"
 }
 trap finish EXIT
+trap 'say "ERROR: line $LINENO: \"$BASH_COMMAND\" failed"' ERR
 
 install_packages() {
   local missing=()
@@ -170,7 +174,7 @@ build_base() {
 
 torch_wheel() {  # prints the local torch wheel matching pyproject's pin and the base's python
   local version dirs dir wheel
-  version=$(sed -n 's/.*"torch==\([^"]*\)".*/\1/p' "$ROOT/pyproject.toml" | head -1)
+  version=$(sed -n '/"torch==/{s/.*"torch==\([^"]*\)".*/\1/p;q}' "$ROOT/pyproject.toml")
   if [ -n "${TORCH_WHEEL:-}" ]; then echo "$TORCH_WHEEL"; return; fi
   dirs="${PIP_FIND_LINKS:-} $(python3 -m pip config get global.find-links 2>/dev/null || true) /opt/wheels"
   for dir in $dirs; do
@@ -243,6 +247,8 @@ main() {
 
   phase "compose up"
   compose down -v --remove-orphans >/dev/null 2>&1 || true  # leftovers of an interrupted run
+  ! (exec 3<>"/dev/tcp/127.0.0.1/$GATEWAY_PORT") 2>/dev/null \
+    || die "port $GATEWAY_PORT is taken: set GATEWAY_PORT to a free one"
   say "compose up (1 prefill, 1 decode), waiting up to ${WAIT_SECONDS}s for healthy services"
   COMPOSE_STARTED=1
   GATEWAY_PORT=$GATEWAY_PORT PREFILL_REPLICAS=1 DECODE_REPLICAS=1 \
@@ -252,7 +258,7 @@ main() {
 
   phase requests
   MODEL=$(curl -sS --max-time 10 "http://127.0.0.1:$GATEWAY_PORT/v1/models" \
-    | sed -n 's/.*"id" *: *"\([^"]*\)".*/\1/p' | head -1)
+    | sed -n 's/.*"id" *: *"\([^"]*\)".*/\1/p')
   [ -n "$MODEL" ] || die "no model listed at /v1/models"
   say "chat completion through the gateway (model $MODEL)"
   chat
@@ -263,8 +269,9 @@ main() {
     --wait --wait-timeout "$WAIT_SECONDS"
   poll 120 "2 decode workers at the router" decode_count_is 2
   say "the router counts 2 decode workers"
-  local victim
-  victim=$(compose ps -q decode | head -1)
+  local victim decodes
+  mapfile -t decodes < <(compose ps -q decode)
+  victim=${decodes[0]}
   say "docker kill of decode container ${victim:0:12}"
   docker kill "$victim" >/dev/null
   poll 120 "the router to drop the killed decode" decode_count_is 1
@@ -282,7 +289,8 @@ main() {
 
   # A crash (the process dies, not `docker kill`, which Docker counts as a manual stop):
   # compose's restart policy must bring the container back by itself.
-  victim=$(compose ps -q decode | tail -1)
+  mapfile -t decodes < <(compose ps -q decode)
+  victim=${decodes[-1]}
   say "crash: SIGKILL to the main process of decode container ${victim:0:12}"
   kill -KILL "$(docker inspect -f '{{.State.Pid}}' "$victim")"
   poll 60 "the restart policy to restart ${victim:0:12}" restarted "$victim"
