@@ -78,7 +78,15 @@ def test_services_are_the_four(spec: dict) -> None:
 def test_only_the_gateway_publishes_ports(spec: dict) -> None:
     published = {name for name, s in spec["services"].items() if s.get("ports")}
     assert published == {"gateway"}
-    assert [str(p) for p in spec["services"]["gateway"]["ports"]] == ["8000:8000"]
+    assert [str(p) for p in spec["services"]["gateway"]["ports"]] == ["${GATEWAY_PORT:-8000}:8000"]
+
+
+def test_the_published_port_comes_from_the_environment() -> None:
+    for env, published in (({}, "8000"), ({"GATEWAY_PORT": "18000"}, "18000")):
+        result = _compose("config", "--format", "json", env=env)
+        assert result.returncode == 0, result.stderr
+        ports = json.loads(result.stdout)["services"]["gateway"]["ports"]
+        assert [(p["target"], p["published"]) for p in ports] == [(8000, published)]
 
 
 def test_every_service_has_a_healthcheck(spec: dict) -> None:
@@ -122,3 +130,25 @@ def test_dockerfile_runs_tandem_as_a_user() -> None:
     assert users and users[-1] not in ("root", "0")
     assert re.search(r'^ENTRYPOINT \["tandem"\]', text, re.M)
     assert re.search(r"TANDEM_CACHE_DIR=/opt/tandem-cache", text)
+
+
+def test_dockerfile_installs_into_a_virtual_environment() -> None:
+    """A Debian base's python is externally managed (PEP 668): pip must run in a venv that
+    comes first on PATH, in the build stage and in the image that runs."""
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^RUN python3 -m venv /opt/tandem$", text, re.M)
+    paths = re.findall(r"PATH=/opt/tandem/bin:\$PATH", text)
+    assert len(paths) == 2, "the venv must lead PATH in both stages"
+    assert re.search(r"^COPY --from=build /opt/tandem /opt/tandem$", text, re.M)
+
+
+def test_dockerfile_copy_sources_are_in_the_build_context() -> None:
+    """Every COPY source exists and .dockerignore keeps it in the context (the legacy
+    builder fails on a missing source); wheels/ carries a README so it always exists."""
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    for source in re.findall(r"^COPY (?!--from)(\S+) ", DOCKERFILE.read_text(), re.M):
+        assert (ROOT / source).exists(), source
+        assert source.rstrip("/") not in ignored, source
+    assert (ROOT / "wheels" / "README.md").is_file()
+    assert "!wheels/*.whl" in ignored
