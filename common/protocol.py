@@ -22,7 +22,7 @@ __all__ = ["MAX_MESSAGE_BYTES", "Message", "ProtocolError", "decode", "encode", 
 
 # ---- gateway <-> router ---------------------------------------------------------------
 
-@message("submit", version=2)
+@message("submit", version=3)
 @dataclass(frozen=True, slots=True)
 class Submit(Message):
     request_id: str
@@ -87,7 +87,7 @@ class Status(Message):
 
 # ---- router -> workers ----------------------------------------------------------------
 
-@message("task", version=2)
+@message("task", version=3)
 @dataclass(frozen=True, slots=True)
 class Task(Message):
     """Run a request: prefill only (``handoff_addr`` set) or to completion (colocated)."""
@@ -246,7 +246,7 @@ class Deregister(Message):
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8")  # a cache's element types
 
 
-@message("kv_handoff", version=4)
+@message("kv_handoff", version=5)
 @dataclass(frozen=True, slots=True)
 class KVHandoff(Message):
     """Header of a KV transfer; ``num_blocks`` raw frames of ``block_nbytes`` follow.

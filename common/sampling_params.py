@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from common.errors import InvalidRequestError
+from common.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -44,6 +45,11 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    prompt_logprobs: int | None = None  # None = none; k = each prompt token plus k alternatives
+    priority: int = 0  # vLLM's semantics: lower is served earlier
+    structured: StructuredOutput | None = None  # a constraint on the output (common.structured)
 
     def __post_init__(self) -> None:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
@@ -63,6 +69,11 @@ class SamplingParams:
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
+        _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+               "logit_bias", "token ids must be >= 0 and biases in [-100, 100]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+               "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        _check(-2**31 <= self.priority < 2**31, "priority", "must fit in 32 bits")
 
     @property
     def greedy(self) -> bool:
@@ -76,7 +87,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> SamplingParams:
         """Parse the sampling fields of a JSON request; unknown keys are left alone."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"structured"}  # built by the gateway
         values: dict[str, Any] = {}
         for name in known & raw.keys():
             if raw[name] is not None:
@@ -90,10 +101,10 @@ class SamplingParams:
         return cls(**values)
 
 
-_INT_FIELDS = {"max_tokens", "top_k", "seed", "n", "min_tokens"}
+_INT_FIELDS = {"max_tokens", "top_k", "seed", "n", "min_tokens", "priority"}
 _FLOAT_FIELDS = {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"}
-_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens"}
+_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -107,6 +118,10 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise SamplingError(name, f"must be true or false, got {value!r}")
         return value
+    if name == "prompt_logprobs":
+        return _as_int(name, value)
+    if name == "logit_bias":
+        return _logit_bias(value)
     if name == "logprobs":
         # OpenAI completions send an int; chat sends a bool plus top_logprobs.
         return 0 if value is True else None if value is False else _as_int(name, value)
@@ -120,6 +135,22 @@ def _coerce(name: str, value: Any) -> Any:
             raise SamplingError(name, "must be a list of token ids")
         return tuple(_as_int(name, t) for t in value)
     raise AssertionError(name)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (keys are strings in JSON) as sorted pairs."""
+    if not isinstance(value, Mapping):
+        raise SamplingError("logit_bias", "must be an object of token id to bias")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise SamplingError("logit_bias", f"key {key!r} is not a token id") from None
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise SamplingError("logit_bias", f"bias for {token} must be a number")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
 
 
 def _as_int(name: str, value: Any) -> int:

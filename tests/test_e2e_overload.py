@@ -98,7 +98,11 @@ def test_a_burst_of_ten_times_capacity_is_served_or_refused_with_retry_after(clu
     # Most of the burst could not be held: it was refused, not queued without bound.
     assert statuses[429] + statuses[503] >= BURST // 2, statuses
     assert statuses[200] >= 1, statuses
-    assert 0 < max(queue_lengths) <= MAX_QUEUE, (statuses, queue_lengths[:20])
+    # The router answers 429 only when its queue holds MAX_QUEUE requests, so a 429 shows
+    # the queue filled; sampling shows it never went past the bound. (Whether a sample
+    # catches the queue non-empty is timing: the burst may queue and drain between two.)
+    assert statuses[429] >= 1, statuses
+    assert max(queue_lengths) <= MAX_QUEUE, (statuses, queue_lengths[:20])
 
     wait_idle(cluster)
     after = rss(cluster)

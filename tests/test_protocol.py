@@ -352,9 +352,9 @@ def test_ext_types_are_rejected_in_typed_fields():
     with pytest.raises(ProtocolError):
         decode(raw(ext, 1, ["req-1"]))
     with pytest.raises(ProtocolError, match="wrong type"):
-        decode(raw("submit", 2, ["r", [1, ext], params_wire(), "tcp://x:1"]))
+        decode(raw("submit", 3, ["r", [1, ext], params_wire(), "tcp://x:1"]))
     with pytest.raises(ProtocolError, match="wrong type"):
-        decode(raw("submit", 2, ["r", [1], params_wire(seed=ext), "tcp://x:1"]))
+        decode(raw("submit", 3, ["r", [1], params_wire(seed=ext), "tcp://x:1"]))
     assert _CALLS == []
 
 

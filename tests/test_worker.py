@@ -185,7 +185,7 @@ def test_a_prefill_only_task_to_a_worker_that_cannot_ship_fails_clearly(colocate
     st.binary(max_size=64),
     st.lists(st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.text(max_size=8),
                        st.binary(max_size=8)),
-             max_size=6).map(lambda v: msgpack.packb(["task", 2, v])),
+             max_size=6).map(lambda v: msgpack.packb(["task", 3, v])),
     st.tuples(st.sampled_from(["task", "abort", "reregister", "tokens", "kv_ack", "ping"]),
               st.integers(0, 3), st.lists(st.integers(-5, 5), max_size=6))
     .map(lambda t: msgpack.packb(list(t))),
@@ -197,7 +197,7 @@ def test_garbage_from_the_router_is_dropped_and_the_worker_keeps_serving(colocat
 
 
 def test_after_the_garbage_a_good_request_still_completes(colocated: Harness):
-    for junk in (b"", b"\x93", msgpack.packb(["task", 2, [1, 2, 3]]), encode(Abort("nobody"))):
+    for junk in (b"", b"\x93", msgpack.packb(["task", 3, [1, 2, 3]]), encode(Abort("nobody"))):
         colocated.send(junk)
     assert len(colocated.serve_one()) == 6
     assert colocated.worker.metrics.handler_errors.labels("decode")._value.get() >= 2  # noqa: SLF001
