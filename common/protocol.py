@@ -132,7 +132,7 @@ class Drained(Message):
 
 # ---- workers -> gateway ---------------------------------------------------------------
 
-@message("tokens", version=2)
+@message("tokens", version=3)
 @dataclass(frozen=True, slots=True)
 class Tokens(Message):
     request_id: str
@@ -145,6 +145,10 @@ class Tokens(Message):
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed on the server side
     retryable: bool = False  # with error: a worker was lost, the request may run elsewhere
+    # On the first message of a choice that asked for them: one record per prompt token
+    # after the first (which has no context to be scored in), in prompt order.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    worker_id: str = ""  # the worker that produced these tokens (the gateway's timeline)
 
     def __post_init__(self) -> None:
         _require(self.choice >= 0 and self.index >= 0, "tokens.choice and index must be >= 0")
