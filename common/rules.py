@@ -38,6 +38,14 @@ def check_token_ids(ids: Sequence[object], vocab_size: int | None, where: str = 
                                       f"[0, {bound})", where)
 
 
+def check_logit_bias(pairs: Sequence[tuple[int, float]], vocab_size: int | None) -> None:
+    """Every token id ``logit_bias`` names is in the vocabulary (a 400 naming the field)."""
+    for token, _ in pairs:
+        if vocab_size is not None and token >= vocab_size:
+            raise InvalidRequestError(f"logit_bias: {token} is not a token id (vocabulary size "
+                                      f"{vocab_size})", "logit_bias")
+
+
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
                   where: str = "prompt") -> int:
     """The completion's token budget: ``max_tokens``, or the rest of the context when absent.

@@ -138,7 +138,17 @@ BAD = [
     ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
      "not supported"),
     ("chat", chat(functions=[{"name": "f"}]), 400, "functions", "not supported"),
-    ("chat", chat(logit_bias={"50256": -100}), 400, "logit_bias", "not supported"),
+    ("chat", chat(logit_bias={"50256": -100}), 400, "logit_bias", "not a token id"),
+    ("completion", comp(logit_bias={"49152": 1}), 400, "logit_bias", "vocabulary size 49152"),
+    ("chat", chat(logit_bias={"x": 1}), 400, "logit_bias", "not a token id"),
+    ("chat", chat(logit_bias={"-1": 1}), 400, "logit_bias", ">= 0"),
+    ("chat", chat(logit_bias={"5": 101}), 400, "logit_bias", "[-100, 100]"),
+    ("chat", chat(logit_bias={"5": "1"}), 400, "logit_bias", "must be a number"),
+    ("chat", chat(logit_bias=[5]), 400, "logit_bias", "must be an object"),
+    ("chat", chat(logit_bias={str(i): 1 for i in range(1025)}), 400, "logit_bias", "at most 1024"),
+    ("chat", chat(priority="1"), 400, "priority", "must be an integer"),
+    ("chat", chat(priority=2**40), 400, "priority", "32 bits"),
+    ("chat", chat(include_stop_str_in_output=1), 400, "include_stop_str_in_output", "true or false"),
     ("completion", comp(suffix="end"), 400, "suffix", "not supported"),
     ("completion", comp(best_of=3), 400, "best_of", "not supported"),
     ("chat", chat(messages=[{"role": "user", "content": LONG}]), 400, "messages",
@@ -191,7 +201,7 @@ FUZZ_KEYS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens
              "echo", "user", "presence_penalty", "frequency_penalty", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
              "skip_special_tokens", "tools", "functions", "response_format", "best_of", "suffix",
-             "logit_bias"]
+             "logit_bias", "priority", "include_stop_str_in_output", "prompt_logprobs"]
 
 
 def test_fuzz_only_api_errors(tok):

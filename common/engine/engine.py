@@ -32,7 +32,7 @@ from common.engine.speculative import SpecStats, Speculator, verify
 from common.errors import InvalidRequestError
 from common.hashing import BlockHash
 from common.model.tokenizer import Detokenizer
-from common.rules import blocks_for_tokens, check_context, check_token_ids
+from common.rules import blocks_for_tokens, check_context, check_logit_bias, check_token_ids
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -432,6 +432,7 @@ class Engine:
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> int:
         """The request's max_tokens, resolved against the context (raises on bad input)."""
         check_token_ids(ids, self.spec.vocab_size)
+        check_logit_bias(params.logit_bias, self.spec.vocab_size)
         return check_context(len(ids), params.max_tokens, self.max_model_len)
 
     # ---- results --------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.logit_bias import apply_logit_bias
 from common.engine.request import Sequence, TokenLogprob
 
 
@@ -49,7 +50,8 @@ class Sampler:
     # is judged against exactly the distribution this sampler draws from.
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Penalties and the min_tokens mask: the logits greedy takes the argmax of."""
+        """logit_bias, penalties and the min_tokens mask: the logits greedy takes the argmax of."""
+        logits = apply_logit_bias(logits, seqs)
         return self._mask_early_stop(_apply_penalties(logits, seqs), seqs)
 
     def target_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from common.errors import InvalidRequestError
 from common.model.tokenizer import Tokenizer
-from common.rules import check_context
+from common.rules import check_context, check_logit_bias
 from common.sampling_params import SamplingError, SamplingParams
 from services.gateway.errors import APIError, shown
 from services.gateway.prompts import chat_prompt, parse_prompt
@@ -26,10 +26,12 @@ from services.gateway.prompts import chat_prompt, parse_prompt
 MAX_STOP = 4  # OpenAI's limit (SamplingParams allows more for the CLI)
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_LOGIT_BIAS = 1024  # entries: every message carrying the params carries them all
 # Sampling fields handed to SamplingParams.from_dict as sent: OpenAI's, then vLLM's extras.
 _SAMPLING_KEYS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty",
                   "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
-                  "ignore_eos", "stop_token_ids", "skip_special_tokens")
+                  "ignore_eos", "stop_token_ids", "skip_special_tokens", "logit_bias",
+                  "priority", "include_stop_str_in_output")
 _INT64 = 2**63  # params cross the P/D wire as msgpack, which cannot carry larger ints
 # Deeper than any body this API reads (messages.[i].content.[j].text is 5 levels): a cap
 # well below the interpreter's recursion limit, so nothing that walks a value can overflow.
@@ -95,7 +97,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer | None, served_model: str, max_mo
     """Validate a /v1/chat/completions body and apply the chat template."""
     body = _object(body)
     model = _model(body, served_model)
-    _reject_unsupported(body, ("tools", "functions", "response_format", "logit_bias"))
+    _reject_unsupported(body, ("tools", "functions", "response_format"))
     stream, include_usage = _stream(body)
     user = _optional(body, "user", str, "a string")
     logprobs = _chat_logprobs(body)
@@ -113,7 +115,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer | None, served_model: str,
     """Validate a /v1/completions body and tokenize its prompt."""
     body = _object(body)
     model = _model(body, served_model)
-    _reject_unsupported(body, ("suffix", "logit_bias"))
+    _reject_unsupported(body, ("suffix",))
     _reject_best_of(body)
     stream, include_usage = _stream(body)
     user = _optional(body, "user", str, "a string")
@@ -207,6 +209,10 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | N
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise APIError.invalid(f"stop allows at most {MAX_STOP} sequences, got {len(stop)}", "stop")
+    bias = body.get("logit_bias")
+    if isinstance(bias, Mapping) and len(bias) > MAX_LOGIT_BIAS:
+        raise APIError.invalid(f"logit_bias allows at most {MAX_LOGIT_BIAS} entries, got "
+                               f"{len(bias)}", "logit_bias")
     raw = {k: body[k] for k in _SAMPLING_KEYS if k in body}
     # A placeholder max_tokens until the prompt length is known (see _fit_context).
     raw["max_tokens"] = max_tokens if max_tokens is not None else max_model_len
@@ -225,6 +231,10 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | N
         if vocab is not None and t >= vocab:
             raise APIError.invalid(f"stop_token_ids: {t} is not a token id (vocabulary size "
                                    f"{vocab})", "stop_token_ids")
+    try:
+        check_logit_bias(params.logit_bias, vocab)
+    except InvalidRequestError as e:
+        raise APIError.from_invalid_request(e) from e
     return params
 
 
