@@ -1,12 +1,15 @@
-"""Continuous batching with chunked prefill, FCFS, preemption by recompute.
+"""Continuous batching with chunked prefill, priorities, preemption by recompute.
 
+Both queues are kept in the order of ``serving_key``: (priority, arrival), lower first —
+vLLM's semantics, where every request's default priority 0 makes this plain FCFS.
 Each step has a token budget (``max_num_batched_tokens``), of which prompt chunks may take
 at most ``max_num_prefill_tokens`` (a decode worker sets it low). Running sequences are served
-first, in arrival order: a decode takes one token, an unfinished prefill its next chunk.
-What budget remains admits waiting sequences, also in arrival order, each with as large
-a chunk as fits. When the cache cannot hold a running sequence's next tokens, the most
-recently arrived running sequence is preempted: its blocks are freed and it goes back to
-the head of the queue, to be recomputed (mostly from the prefix cache) later.
+first, in that order: a decode takes one token, an unfinished prefill its next chunk.
+What budget remains admits waiting sequences, also in that order, each with as large
+a chunk as fits. When the cache cannot hold a running sequence's next tokens, the last
+running sequence in that order (the lowest priority, then the latest arrival) is
+preempted: its blocks are freed and it goes back to the queue in its place, to be
+recomputed (mostly from the prefix cache) later.
 
 A decoding sequence may bring a draft (speculative decoding): its chunk is then its last
 token plus the draft tokens, verified in one step. Drafts take budget and blocks only
@@ -18,7 +21,7 @@ hashed into the prefix cache with tokens that were not accepted.
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -88,11 +91,21 @@ class SchedulerOutput:
         return not self.chunks
 
 
+def serving_key(seq: Sequence) -> tuple[int, float, int]:
+    """The order both queues keep: priority (lower first), arrival, then choice."""
+    return seq.params.priority, seq.request.arrival_time, seq.choice
+
+
+def _insert(queue: list[Sequence], seq: Sequence) -> None:
+    """In ``serving_key`` order, after any equal key (so equal keys stay FCFS)."""
+    bisect.insort_right(queue, seq, key=serving_key)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.stats = SchedulerStats()
@@ -103,7 +116,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        _insert(self.waiting, seq)
 
     def adopt_forks(self, parent: Sequence, children: list[Sequence]) -> None:
         """Forked sequences join the running batch right behind their parent."""
@@ -158,7 +171,7 @@ class Scheduler:
         """Sequences whose KV arrived already computed join the batch directly."""
         for seq in seqs:
             seq.status = SeqStatus.RUNNING
-        self.running.extend(seqs)
+            _insert(self.running, seq)
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget,
                           drafts: Mapping[Sequence, list[int]]) -> None:
@@ -218,9 +231,9 @@ class Scheduler:
             seq.num_cached_tokens = prefix.num_tokens
             self.stats.prefix_queries += seq.num_tokens
             self.stats.prefix_hits += prefix.num_tokens
-        self.waiting.popleft()
+        self.waiting.pop(0)
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        _insert(self.running, seq)
         out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
 
     def _preempt(self, seq: Sequence) -> None:
@@ -229,4 +242,4 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        _insert(self.waiting, seq)

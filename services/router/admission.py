@@ -1,7 +1,9 @@
-"""Admission: a bounded FCFS queue in front of placement, with clear refusals.
+"""Admission: a bounded priority queue in front of placement, with clear refusals.
 
 A request the workers cannot take right now (every prefill worker over its token
-budget, or no decode worker with room) waits here, in arrival order. The queue never
+budget, or no decode worker with room) waits here, in the order it will be served:
+by priority (vLLM's semantics: lower first, default 0), then by arrival, so with no
+priorities given it is plain FCFS. The queue never
 grows past ``max_queue``, and nothing waits longer than ``timeout``: the gateway turns
 the refusal into HTTP 429 (queue full) or 503 (nothing to serve it, or waited too long)
 with a ``Retry-After`` instead of letting latency grow without bound.
@@ -9,9 +11,10 @@ with a ``Retry-After`` instead of letting latency grow without bound.
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -28,6 +31,7 @@ class Refusal:
 class _Waiting(Generic[T]):
     item: T
     since: float
+    key: tuple[int, int] = field(default=(0, 0))  # (priority, arrival number)
 
 
 class AdmissionQueue(Generic[T]):
@@ -36,21 +40,24 @@ class AdmissionQueue(Generic[T]):
             raise ValueError("max_queue must be >= 0")
         self.max_queue = max_queue
         self.timeout = timeout
-        self._queue: deque[_Waiting[T]] = deque()
+        self._queue: list[_Waiting[T]] = []  # in serving order
+        self._arrivals = itertools.count()
 
     def __len__(self) -> int:
         return len(self._queue)
 
-    def offer(self, item: T, now: float) -> Refusal | None:
-        """Queue ``item``; a Refusal when the queue is full."""
+    def offer(self, item: T, now: float, priority: int = 0) -> Refusal | None:
+        """Queue ``item`` behind everything of its priority or lower (a smaller or equal
+        value); a Refusal when the queue is full."""
         if len(self._queue) >= self.max_queue:
             return Refusal(429, f"server busy: {len(self._queue)} requests already queued",
                            retry_after=1.0)
-        self._queue.append(_Waiting(item, now))
+        waiting = _Waiting(item, now, (priority, next(self._arrivals)))
+        bisect.insort_right(self._queue, waiting, key=lambda w: w.key)
         return None
 
     def waiting(self) -> Iterator[T]:
-        """Queued items, oldest first."""
+        """Queued items in serving order: by priority, then oldest first."""
         return (w.item for w in self._queue)
 
     def remove(self, item: T) -> bool:
@@ -64,7 +71,7 @@ class AdmissionQueue(Generic[T]):
     def expired(self, now: float) -> list[T]:
         """Take out everything that has waited longer than the timeout."""
         old = [w.item for w in self._queue if now - w.since > self.timeout]
-        self._queue = deque(w for w in self._queue if now - w.since <= self.timeout)
+        self._queue = [w for w in self._queue if now - w.since <= self.timeout]
         return old
 
     def refusal_for_timeout(self) -> Refusal:

@@ -265,7 +265,7 @@ class RouterService:
         if problem is not None:
             await self._refuse(routed, problem)
         elif self.queue or not await self._try_place(routed):
-            refusal = self.queue.offer(routed, routed.arrival)
+            refusal = self.queue.offer(routed, routed.arrival, msg.params.priority)
             if refusal is not None:
                 await self._refuse(routed, refusal)
             else:
@@ -447,7 +447,7 @@ class RouterService:
     async def _drain_queue(self) -> None:
         for routed in list(self.queue.waiting()):
             if not await self._try_place(routed):
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue (priority, then FCFS)
             self.queue.remove(routed)
 
     async def _refuse(self, routed: Routed, refusal: Refusal) -> None:
