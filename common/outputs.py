@@ -19,3 +19,4 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    rank: int | None = None  # the token's 1-based rank in its distribution (prompt logprobs)

@@ -189,3 +189,96 @@ async def test_router_admits_a_high_priority_request_ahead_of_queued_low_priorit
         assert await gw.expect(Admitted) == Admitted(previous)
         admitted.append(previous)
     assert admitted == ["high", "default", "low-1", "low-2"]
+
+
+# ---- prompt logprobs: the engine against Hugging Face --------------------------------------
+
+
+def hf_prompt_logprobs(directory, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of HF transformers' logits over the prompt: [len - 1, vocab], row j
+    scoring prompt token j + 1."""
+    from tests.conftest import _HF, hf_greedy
+
+    hf_greedy(directory, prompt[:2], 1)  # loads (and caches) the HF model
+    model = _HF[str(directory)]
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1]
+
+
+def assert_prompt_logprobs_match(records, reference: torch.Tensor, prompt: list[int], k: int):
+    assert [r.token_id for r in records] == prompt[1:]
+    for j, r in enumerate(records):
+        row = reference[j]
+        assert r.logprob == pytest.approx(float(row[prompt[j + 1]]), abs=1e-4)
+        assert r.rank == int((row > row[prompt[j + 1]]).sum()) + 1 or abs(
+            float(row.sort(descending=True).values[r.rank - 1]) - r.logprob) < 1e-4  # a near tie
+        best = row.topk(k)
+        assert [t for t, _ in r.top] == best.indices.tolist() or k == 0
+        assert [v for _, v in r.top] == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("budget,caching", [(2048, True), (8, True), (8, False)],
+                         ids=["one-pass", "chunked", "chunked-no-cache"])
+def test_prompt_logprobs_equal_hf_whole_chunked_and_after_a_prefix_hit(tiny_model_dir, budget, caching):
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    prompt = [(37 * i + 11) % 40000 + 3 for i in range(40)]  # 2 full blocks + 8 tokens
+    reference = hf_prompt_logprobs(tiny_model_dir, prompt)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3, **GREEDY)
+    [warm] = engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))  # cache the prefix
+    [out] = engine.generate([prompt], params)
+    assert out.num_cached_tokens == 0  # asking for prompt logprobs bypasses the prefix cache
+    assert out.choices[0].token_ids == warm.choices[0].token_ids
+    assert len(out.prompt_logprobs) == len(prompt) - 1
+    assert_prompt_logprobs_match(out.prompt_logprobs, reference, prompt, 3)
+    [again] = engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))
+    assert again.prompt_logprobs is None
+    assert again.num_cached_tokens == (32 if caching else 0)  # the cache still serves others
+
+
+def test_prompt_logprobs_zero_alternatives_and_n_choices(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = list(range(500, 521))
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=3,
+                                                     prompt_logprobs=0, ignore_eos=True))
+    assert len(out.prompt_logprobs) == 20 and all(r.top == () for r in out.prompt_logprobs)
+    assert_prompt_logprobs_match(out.prompt_logprobs, hf_prompt_logprobs(tiny_model_dir, prompt),
+                                 prompt, 0)
+
+
+def test_prompt_logprobs_travel_once_on_choice_0s_first_update(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=8)
+    prompt = list(range(700, 720))
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=3, n=2, prompt_logprobs=1, **GREEDY))
+    updates = []
+    while engine.has_unfinished:
+        updates.extend(engine.step())
+        engine.finished_output(rid)
+    carrying = [(u.choice, u.index) for u in updates if u.prompt_logprobs is not None]
+    assert carrying == [(0, 0)]
+    first = next(u for u in updates if u.prompt_logprobs is not None)
+    assert [r.token_id for r in first.prompt_logprobs] == prompt[1:]
+
+
+def test_a_preempted_prompt_keeps_its_scored_positions(tiny_model_dir):
+    """Preempted in the middle of its chunked prompt: recomputed from 0, each prompt token
+    still scored once, and the same as an undisturbed run."""
+    prompt = list(range(900, 948))  # 3 blocks
+    params = SamplingParams(max_tokens=2, prompt_logprobs=2, **GREEDY)
+    [alone] = make_engine(tiny_model_dir).generate([prompt], params)
+    engine = make_engine(tiny_model_dir, num_blocks=4, max_num_batched_tokens=16)
+    other = list(range(2000, 2015))  # 1 block, then a second at its 17th token
+    ids = [engine.add_request(other, SamplingParams(max_tokens=20, **GREEDY)),
+           engine.add_request(prompt, params)]
+    results = {}
+    while engine.has_unfinished:
+        for u in engine.step():
+            if u.finish_reason is not None and (out := engine.finished_output(u.request_id)):
+                results[u.request_id] = out
+    assert engine.scheduler.num_preemptions >= 1
+    out = results[ids[1]]
+    assert [r.token_id for r in out.prompt_logprobs] == prompt[1:]
+    for got, want in zip(out.prompt_logprobs, alone.prompt_logprobs, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert abs(got.rank - want.rank) <= want.rank // 100  # deep ranks: fp32 near-ties
+    assert out.choices[0].token_ids == alone.choices[0].token_ids

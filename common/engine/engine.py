@@ -23,6 +23,7 @@ from common.engine.cpu_share import CpuShare
 from common.engine.handoff import Handoff, KVLayout, build_handoff, live_seqs, rebuild_request
 from common.engine.intake import PrefilledIntake
 from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.prompt_logprobs import record as record_prompt_logprobs
 from common.engine.request import FinishReason, Request, SeqStatus, Sequence, TokenLogprob
 from common.engine.runner import ModelRunner
 from common.engine.sampler import Sampler
@@ -54,6 +55,7 @@ class SeqUpdate:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0  # of the prompt, served from the prefix cache
+    prompt_logprobs: list[TokenLogprob] | None = None  # choice 0's first update, when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     choices: list[Choice]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # when asked: prompt tokens 1.. scored
 
 
 @dataclass(slots=True)
@@ -323,6 +326,7 @@ class Engine:
         if out.is_empty:
             return []
         result = self.runner.execute(out)
+        record_prompt_logprobs(result.prompt_rows, self.runner.model.logits)
         self.scheduler.advance(out)
         plain_seqs, plain_rows, drafted = self._split(result)
         plain_logits = result.logits[plain_rows] if drafted else result.logits
@@ -387,8 +391,9 @@ class Engine:
             self.scheduler.finish(seq, reason)
         elif seq.request.prefill_only:
             self.scheduler.detach(seq)
-        return SeqUpdate(seq.request.request_id, seq.choice, seq.num_output_tokens - len(kept), kept,
-                         text, lps, reason, stop, seq.num_cached_tokens)
+        index = seq.num_output_tokens - len(kept)
+        return SeqUpdate(seq.request.request_id, seq.choice, index, kept, text, lps, reason, stop,
+                         seq.num_cached_tokens, _first_prompt_logprobs(seq, index))
 
     def _append_tokens(self, seq: Sequence, stream: Detokenizer | None, tokens: list[int]
                        ) -> tuple[list[int], str, FinishReason | None, str | int | None]:
@@ -450,7 +455,10 @@ class Engine:
                    seq.logprobs if request.params.logprobs is not None else None)
             for seq in request.seqs
         ]
-        return RequestOutput(request_id, request.prompt_token_ids, choices, request.seqs[0].num_cached_tokens)
+        first = request.seqs[0]
+        prompt_lps = first.prompt_logprobs if request.params.prompt_logprobs is not None else None
+        return RequestOutput(request_id, request.prompt_token_ids, choices, first.num_cached_tokens,
+                             prompt_lps)
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Run prompts to completion (offline use); results in input order."""
@@ -465,3 +473,10 @@ class Engine:
                     if done is not None:
                         results[update.request_id] = done
         return [results[i] for i in ids]
+
+
+def _first_prompt_logprobs(seq: Sequence, index: int) -> list[TokenLogprob] | None:
+    """A request's prompt logprobs travel once: with its choice 0's first tokens."""
+    if seq.params.prompt_logprobs is None or seq.choice != 0 or index != 0:
+        return None
+    return list(seq.prompt_logprobs)

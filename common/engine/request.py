@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # common.engine.prompt_logprobs
     block_hashes: list[BlockHash] = field(default_factory=list)  # of its full blocks, so far
     num_preemptions: int = 0
     first_token_time: float | None = None

@@ -16,12 +16,13 @@ for a sequence verifying a draft of k tokens (its last token's and each draft to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from common.engine.handoff import KVLayout
 from common.engine.kv_cache_manager import KVCacheManager
+from common.engine.prompt_logprobs import PromptRows, prompt_rows
 from common.engine.request import Sequence
 from common.engine.scheduler import ScheduledChunk, SchedulerOutput
 from common.model.llama import LlamaModel
@@ -36,6 +37,7 @@ class StepResult:
     seqs: list[Sequence]  # the sequences that sample, in logits row order
     logits: torch.Tensor  # [sum(1 + len(draft) for each seq), vocab] fp32
     drafts: list[tuple[int, ...]]  # each seq's verified draft (empty: one row)
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # for prompt logprobs
 
 
 @dataclass(slots=True)
@@ -46,6 +48,7 @@ class _Inputs:
     sample_rows: torch.Tensor
     sample_seqs: list[Sequence]
     drafts: list[tuple[int, ...]]
+    order: list[ScheduledChunk]  # the chunks in the order their tokens are fed
 
 
 class ModelRunner:
@@ -91,7 +94,8 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self._model_cache, inputs.meta,
                             self.backend)
         logits = self.model.logits(hidden[inputs.sample_rows])
-        return StepResult(inputs.sample_seqs, logits, inputs.drafts)
+        return StepResult(inputs.sample_seqs, logits, inputs.drafts,
+                          prompt_rows(inputs.order, hidden))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -136,7 +140,8 @@ class ModelRunner:
                 sample_seqs.append(chunk.seq)
                 drafts.append(chunk.draft)
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return _Inputs(tensor(ids), tensor(positions), meta, tensor(sample_rows), sample_seqs, drafts)
+        return _Inputs(tensor(ids), tensor(positions), meta, tensor(sample_rows), sample_seqs, drafts,
+                       decodes + prefills)
 
     def _append_chunk(self, chunk: ScheduledChunk, table: list[int], ids: list[int],
                       positions: list[int], slots: list[int]) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from common.config import SchedulerConfig
 from common.engine.kv_cache_manager import CachedPrefix, KVCacheManager
+from common.engine.prompt_logprobs import needs_prompt_logprobs
 from common.engine.request import FinishReason, SeqStatus, Sequence
 
 
@@ -215,7 +216,7 @@ class Scheduler:
         while (self.waiting and min(budget.tokens, budget.prefill) > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            prefix = self.kv.find_cached_prefix(seq)
+            prefix = self._cached_prefix(seq)
             remaining = seq.num_tokens - prefix.num_tokens
             if not self.config.enable_chunked_prefill and remaining > budget.tokens:
                 break
@@ -224,6 +225,12 @@ class Scheduler:
                 break
             self._admit(seq, num_new, prefix, out)
             budget.take(num_new, is_prefill=True)
+
+    def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """A hit skips computing its positions: none for a prompt still to be scored."""
+        if needs_prompt_logprobs(seq):
+            return CachedPrefix([], 0)
+        return self.kv.find_cached_prefix(seq)
 
     def _admit(self, seq: Sequence, num_new: int, prefix: CachedPrefix, out: SchedulerOutput) -> None:
         self.kv.allocate(seq, num_new, prefix)
