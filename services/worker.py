@@ -307,7 +307,8 @@ class WorkerService:
                 self._send_router(Finished(u.request_id, self.s.worker_id, FinishStage.PREFILL))
             self.pushers.send(meta.reply_to, Tokens(
                 u.request_id, u.choice, u.index, u.token_ids, u.logprobs or None,
-                u.finish_reason, meta.num_prompt_tokens, u.num_cached_tokens))
+                u.finish_reason, meta.num_prompt_tokens, u.num_cached_tokens,
+                prompt_logprobs=u.prompt_logprobs))
             if u.finish_reason is not None:
                 ended.append(u.request_id)
         for request_id in dict.fromkeys(ended):  # a request ends when its last choice does

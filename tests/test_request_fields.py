@@ -194,13 +194,18 @@ async def test_router_admits_a_high_priority_request_ahead_of_queued_low_priorit
 # ---- prompt logprobs: the engine against Hugging Face --------------------------------------
 
 
+_HF_MODELS: dict = {}
+
+
 def hf_prompt_logprobs(directory, prompt: list[int]) -> torch.Tensor:
     """log_softmax of HF transformers' logits over the prompt: [len - 1, vocab], row j
     scoring prompt token j + 1."""
-    from tests.conftest import _HF, hf_greedy
+    from transformers import AutoModelForCausalLM
 
-    hf_greedy(directory, prompt[:2], 1)  # loads (and caches) the HF model
-    model = _HF[str(directory)]
+    if str(directory) not in _HF_MODELS:
+        _HF_MODELS[str(directory)] = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32).eval()
+    model = _HF_MODELS[str(directory)]
     with torch.inference_mode():
         logits = model(torch.tensor([prompt])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)[:-1]
@@ -282,3 +287,98 @@ def test_a_preempted_prompt_keeps_its_scored_positions(tiny_model_dir):
         assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
         assert abs(got.rank - want.rank) <= want.rank // 100  # deep ranks: fp32 near-ties
     assert out.choices[0].token_ids == alone.choices[0].token_ids
+
+
+# ---- the gateway: parsing and response shapes ----------------------------------------------
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from common.model.loader import resolve_model
+    from common.model.tokenizer import Tokenizer
+
+    return Tokenizer(resolve_model(None).directory)
+
+
+def _completion(tok, **fields):
+    from services.gateway.parsing import parse_completion
+
+    return parse_completion({"model": MODEL, "prompt": "Once upon a time", **fields}, tok, MODEL, 256)
+
+
+def test_parsing_carries_the_new_fields(tok):
+    from services.gateway.parsing import parse_chat
+
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"7": -100, "12": 5},
+                       "priority": -3, "include_stop_str_in_output": True,
+                       "skip_special_tokens": False}, tok, MODEL, 256)
+    p = chat.params
+    assert (p.logit_bias, p.priority, p.include_stop_str_in_output, p.skip_special_tokens) == (
+        ((7, -100.0), (12, 5.0)), -3, True, False)
+    assert p.prompt_logprobs is None
+    assert _completion(tok).params.prompt_logprobs is None
+    asked = _completion(tok, prompt_logprobs=2)
+    assert (asked.prompt_logprobs, asked.params.prompt_logprobs) == (2, 2)
+    echoed = _completion(tok, echo=True, logprobs=3)
+    assert (echoed.prompt_logprobs, echoed.params.prompt_logprobs, echoed.params.logprobs) == (None, 3, 3)
+    both = _completion(tok, echo=True, logprobs=1, prompt_logprobs=4)
+    assert (both.prompt_logprobs, both.params.prompt_logprobs) == (4, 4)
+    assert _completion(tok, logprobs=3).params.prompt_logprobs is None  # no echo: no prompt
+
+
+def _records(ids: list[int]) -> list:
+    from common.outputs import TokenLogprob
+
+    # token j scored -j/10, rank j, alternatives: token 5 then the token itself
+    return [TokenLogprob(t, -j / 10, ((5, -0.01), (t, -j / 10)), j) for j, t in enumerate(ids[1:], 1)]
+
+
+def test_vllm_prompt_logprobs_shape(tok):
+    from services.gateway.prompt_logprobs import prompt_logprobs_for
+    from services.gateway.responses import ChoiceResult, text_completion, usage
+
+    req = _completion(tok, prompt_logprobs=1)
+    ids = req.prompt_token_ids
+    prompt = prompt_logprobs_for(req, _records(ids), tok.token_text)
+    body = text_completion(req, [ChoiceResult(0, " there", "length")], usage(len(ids), 1), prompt)
+    field = body["choices"][0]["prompt_logprobs"]
+    assert field[0] is None and len(field) == len(ids)
+    assert field[1] == {str(ids[1]): {"logprob": -0.1, "rank": 1, "decoded_token": tok.token_text(ids[1])},
+                        "5": {"logprob": -0.01, "rank": 1, "decoded_token": tok.token_text(5)}}
+    assert list(field[2]) == [str(ids[2]), "5"]  # the prompt token first, then the top k
+    assert body["choices"][0]["logprobs"] is None and body["choices"][0]["text"] == " there"
+    plain = text_completion(_completion(tok), [ChoiceResult(0, "x", "length")], usage(1, 1))
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+def test_echo_with_logprobs_leads_with_the_prompt_tokens(tok):
+    from services.gateway.prompt_logprobs import prompt_logprobs_for
+    from services.gateway.responses import (
+        ChoiceResult,
+        ChunkFormatter,
+        LogprobEntry,
+        text_completion,
+        usage,
+    )
+
+    req = _completion(tok, echo=True, logprobs=1)
+    ids = req.prompt_token_ids
+    prompt = prompt_logprobs_for(req, _records(ids), tok.token_text)
+    out = [LogprobEntry(9, tok.token_text(9), -0.5, ((9, tok.token_text(9), -0.5),))]
+    body = text_completion(req, [ChoiceResult(0, tok.token_text(9), "length", out)], usage(4, 1), prompt)
+    choice = body["choices"][0]
+    assert choice["text"] == "Once upon a time" + tok.token_text(9)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.token_text(t) for t in ids] + [tok.token_text(9)]
+    assert lp["token_logprobs"] == [None] + [-j / 10 for j in range(1, len(ids))] + [-0.5]
+    assert lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {tok.token_text(5): -0.01, tok.token_text(ids[1]): -0.1}  # k = 1
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][-1] == sum(len(t) for t in lp["tokens"][:-1])
+    assert "prompt_logprobs" not in choice  # not asked for
+    fmt = ChunkFormatter(req)
+    first = fmt.chunk(0, tok.token_text(9), out, None, prompt)["choices"][0]
+    assert first["text"] == choice["text"] and first["logprobs"] == lp
+    later = fmt.chunk(0, "y", out, "length", prompt)["choices"][0]
+    assert later["logprobs"]["token_logprobs"] == [-0.5]  # the prompt only leads the first

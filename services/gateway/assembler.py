@@ -47,6 +47,7 @@ class ResponseAssembler:
         self.params = params
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # with choice 0's first tokens
         self._choices = [_Choice(Detokenizer(tokenizer, prompt_ids, params.stop, params.skip_special_tokens))
                          for _ in range(params.n)]
 
@@ -77,6 +78,8 @@ class ResponseAssembler:
         # A continuation's prompt is longer than the client's: never count beyond the latter.
         self.num_cached_tokens = min(max(self.num_cached_tokens, msg.num_cached_tokens),
                                      self.num_prompt_tokens)
+        if msg.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = msg.prompt_logprobs
         choice = self._choices[msg.choice]
         if choice.finish_reason is not None:
             return []  # ended by a stop string; the workers have not heard yet

@@ -26,6 +26,7 @@ from services.gateway.prompts import chat_prompt, parse_prompt
 MAX_STOP = 4  # OpenAI's limit (SamplingParams allows more for the CLI)
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 1024  # entries: every message carrying the params carries them all
 # Sampling fields handed to SamplingParams.from_dict as sent: OpenAI's, then vLLM's extras.
 _SAMPLING_KEYS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty",
@@ -51,6 +52,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     echo: bool = False  # completions: the prompt text comes back before the completion
+    prompt_logprobs: int | None = None  # completions: vLLM's prompt_logprobs field, as asked
     logprobs_mode: Literal["chat", "completion"] | None = None
     user: str | None = None
     prompt_text: str = ""  # completions with echo: the prompt as text
@@ -98,6 +100,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer | None, served_model: str, max_mo
     body = _object(body)
     model = _model(body, served_model)
     _reject_unsupported(body, ("tools", "functions", "response_format"))
+    _reject_unsupported(body, ("prompt_logprobs",))  # a completions field here
     stream, include_usage = _stream(body)
     user = _optional(body, "user", str, "a string")
     logprobs = _chat_logprobs(body)
@@ -121,19 +124,18 @@ def parse_completion(body: Any, tokenizer: Tokenizer | None, served_model: str,
     user = _optional(body, "user", str, "a string")
     echo = bool(_optional(body, "echo", bool, "a boolean"))
     logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    if echo and logprobs is not None:
-        # OpenAI would add the prompt's logprobs; the engine does not compute them.
-        raise APIError.invalid("echo together with logprobs is not supported", "echo")
+    prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
     max_tokens = _max_tokens(body, ("max_tokens",))
     vocab = _vocab(tokenizer, vocab_size)
     params = _sampling(body, max_tokens, logprobs, vocab, max_model_len)
+    params = _with_prompt_logprobs(params, prompt_logprobs, logprobs if echo else None)
     prompt = parse_prompt(body.get("prompt"), tokenizer, vocab)
     ids, text = prompt.token_ids, prompt.text
     params = _fit_context(params, max_tokens, len(ids), max_model_len, "prompt")
     if echo and text is None:
         text = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
     return ParsedRequest("completion", model, ids, params, stream=stream,
-                         include_usage=include_usage, echo=echo,
+                         include_usage=include_usage, echo=echo, prompt_logprobs=prompt_logprobs,
                          logprobs_mode=None if logprobs is None else "completion", user=user,
                          prompt_text=text or "")
 
@@ -236,6 +238,14 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | N
     except InvalidRequestError as e:
         raise APIError.from_invalid_request(e) from e
     return params
+
+
+def _with_prompt_logprobs(params: SamplingParams, asked: int | None,
+                          echoed: int | None) -> SamplingParams:
+    """The engine scores the prompt once for both uses: vLLM's ``prompt_logprobs`` and
+    OpenAI's echo with logprobs (the prompt's tokens lead the logprobs)."""
+    wanted = [k for k in (asked, echoed) if k is not None]
+    return dataclasses.replace(params, prompt_logprobs=max(wanted)) if wanted else params
 
 
 def _fit_context(params: SamplingParams, max_tokens: int | None, prompt_len: int,

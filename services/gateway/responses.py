@@ -12,10 +12,13 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.outputs import TokenLogprob
 from services.gateway.parsing import ParsedRequest
+
+if TYPE_CHECKING:
+    from services.gateway.prompt_logprobs import PromptLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +27,7 @@ class LogprobEntry:
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing scores it)
     top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob), best first
 
     @classmethod
@@ -53,9 +56,12 @@ def usage(prompt_tokens: int, completion_tokens: int,
     return out
 
 
-def _finite(logprob: float) -> float:
+def finite_logprob(logprob: float | None) -> float | None:
     # JSON has no -Infinity; a token the sampler could never pick gets vLLM's -9999.
-    return logprob if math.isfinite(logprob) else -9999.0
+    return logprob if logprob is None or math.isfinite(logprob) else -9999.0
+
+
+_finite = finite_logprob
 
 
 def _token_bytes(text: str) -> list[int]:
@@ -82,8 +88,10 @@ def completion_logprobs(entries: Sequence[LogprobEntry], text_offset: int = 0) -
             "text_offset": offsets}
 
 
-def _top_dict(e: LogprobEntry) -> dict[str, float]:
+def _top_dict(e: LogprobEntry) -> dict[str, float] | None:
     # OpenAI always lists the sampled token too; texts can repeat, so the best one wins.
+    if e.logprob is None:
+        return None  # an echoed prompt's first token
     top: dict[str, float] = {}
     for _, text, lp in (*e.top, (e.token_id, e.token, e.logprob)):
         top.setdefault(text, _finite(lp))
@@ -102,15 +110,31 @@ def chat_completion(req: ParsedRequest, choices: Sequence[ChoiceResult],
 
 
 def text_completion(req: ParsedRequest, choices: Sequence[ChoiceResult],
-                    usage_: Mapping[str, Any]) -> dict[str, Any]:
+                    usage_: Mapping[str, Any], prompt: PromptLogprobs | None = None) -> dict[str, Any]:
     prefix = req.prompt_text if req.echo else ""
     return {"id": req.request_id, "object": "text_completion", "created": req.created,
             "model": req.model,
             "choices": [{"index": c.index, "text": prefix + c.text,
                          "logprobs": None if c.logprobs is None
-                         else completion_logprobs(c.logprobs, len(prefix)),
-                         "finish_reason": c.finish_reason} for c in choices],
+                         else _choice_logprobs(c.logprobs, len(prefix), prompt),
+                         "finish_reason": c.finish_reason,
+                         **_prompt_field(req, prompt)} for c in choices],
             "usage": dict(usage_)}
+
+
+def _choice_logprobs(entries: Sequence[LogprobEntry], text_offset: int,
+                     prompt: PromptLogprobs | None) -> dict[str, Any]:
+    """With echo, the prompt's tokens lead (their offsets from 0)."""
+    if prompt is not None and prompt.echoed is not None:
+        return completion_logprobs([*prompt.echoed, *entries], 0)
+    return completion_logprobs(entries, text_offset)
+
+
+def _prompt_field(req: ParsedRequest, prompt: PromptLogprobs | None) -> dict[str, Any]:
+    """vLLM's prompt_logprobs, on every choice, when asked for."""
+    if req.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": prompt.vllm if prompt is not None else None}
 
 
 def _chunk(req: ParsedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -137,11 +161,14 @@ def chat_chunk(req: ParsedRequest, index: int, *, role: str | None = None,
 
 def completion_chunk(req: ParsedRequest, index: int, text: str,
                      logprobs: Sequence[LogprobEntry] | None = None,
-                     finish_reason: str | None = None, text_offset: int = 0) -> dict[str, Any]:
+                     finish_reason: str | None = None, text_offset: int = 0,
+                     prompt: PromptLogprobs | None = None) -> dict[str, Any]:
+    """``prompt``: only on a choice's first chunk."""
     return _chunk(req, [{"index": index, "text": text,
                          "logprobs": None if logprobs is None
-                         else completion_logprobs(logprobs, text_offset),
-                         "finish_reason": finish_reason}])
+                         else _choice_logprobs(logprobs, text_offset, prompt),
+                         "finish_reason": finish_reason,
+                         **(_prompt_field(req, prompt) if prompt is not None else {})}])
 
 
 def usage_chunk(req: ParsedRequest, usage_: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,7 +185,8 @@ class ChunkFormatter:
         self._sent: dict[int, int] = {}  # choice -> characters of text sent so far
 
     def chunk(self, index: int, text: str, logprobs: Sequence[LogprobEntry] | None = None,
-              finish_reason: str | None = None) -> dict[str, Any]:
+              finish_reason: str | None = None,
+              prompt: PromptLogprobs | None = None) -> dict[str, Any]:
         first = index not in self._sent
         sent = self._sent.get(index, 0)
         if self.req.kind == "chat":
@@ -173,7 +201,8 @@ class ChunkFormatter:
             text = self.req.prompt_text + text
             offset = len(self.req.prompt_text)
         self._sent[index] = sent + len(text)
-        return completion_chunk(self.req, index, text, logprobs, finish_reason, offset)
+        return completion_chunk(self.req, index, text, logprobs, finish_reason, offset,
+                                prompt if first else None)
 
     def usage_chunk(self, usage_: Mapping[str, Any]) -> dict[str, Any] | None:
         """None when the client did not ask for usage."""

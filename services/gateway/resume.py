@@ -55,7 +55,9 @@ def continuations(parsed: ParsedRequest, failed: Attempt, delivered: Callable[[i
         if left < 1:
             return f"choice {choice} has nothing left to generate"
         params = replace(parsed.params, n=1, max_tokens=left,
-                         min_tokens=max(0, parsed.params.min_tokens - len(done)))
+                         min_tokens=max(0, parsed.params.min_tokens - len(done)),
+                         # came with the first tokens already: a longer prompt is not the client's
+                         prompt_logprobs=None if done else parsed.params.prompt_logprobs)
         attempt = Attempt(f"{parsed.request_id}~{failed.number + 1}.{choice}", choice, len(done),
                           failed.number + 1)
         out.append(Continuation(attempt, parsed.prompt_token_ids + done, params))

@@ -22,6 +22,7 @@ from services.gateway.assembler import ChoiceDelta, ResponseAssembler
 from services.gateway.disconnect import ClientGone, ClientWatch
 from services.gateway.errors import APIError
 from services.gateway.parsing import ParsedRequest
+from services.gateway.prompt_logprobs import PromptLogprobs, prompt_logprobs_for
 from services.gateway.resume import MOVE_ADMISSION_S, Attempt, continuations
 from services.gateway.router_link import RouterUnavailable
 
@@ -50,6 +51,7 @@ class RequestRun:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.ended_here = False  # a choice was cut by a stop string: workers must be told
+        self._prompt: PromptLogprobs | None = None
 
     async def deltas(self, request: Request) -> AsyncIterator[ChoiceDelta]:
         timeout = self.gw.settings.request_timeout
@@ -144,14 +146,16 @@ class RequestRun:
                    for i in range(self.parsed.params.n)]
         chat = self.parsed.kind == "chat"
         build = responses.chat_completion if chat else responses.text_completion
-        return build(self.parsed, choices, self._usage())
+        extra = {} if chat else {"prompt": self._prompt_logprobs()}
+        return build(self.parsed, choices, self._usage(), **extra)
 
     async def sse(self, request: Request) -> AsyncIterator[bytes]:
         fmt = responses.ChunkFormatter(self.parsed)
         try:
             async for d in self.deltas(request):
                 lps = d.tokens if self.parsed.logprobs_mode else None
-                yield responses.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason))
+                yield responses.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason,
+                                              self._prompt_logprobs()))
             usage = fmt.usage_chunk(self._usage())
             if usage is not None:
                 yield responses.sse(usage)
@@ -168,6 +172,13 @@ class RequestRun:
             raise
         finally:
             self.watch.close()
+
+    def _prompt_logprobs(self) -> PromptLogprobs | None:
+        """Formatted once, when the records arrive (with choice 0's first tokens)."""
+        if self._prompt is None and self.assembler.prompt_logprobs is not None:
+            self._prompt = prompt_logprobs_for(self.parsed, self.assembler.prompt_logprobs,
+                                               self.gw.tokenizer.token_text)
+        return self._prompt
 
     def _usage(self) -> dict:
         a = self.assembler
