@@ -382,3 +382,37 @@ def test_echo_with_logprobs_leads_with_the_prompt_tokens(tok):
     assert first["text"] == choice["text"] and first["logprobs"] == lp
     later = fmt.chunk(0, "y", out, "length", prompt)["choices"][0]
     assert later["logprobs"]["token_logprobs"] == [-0.5]  # the prompt only leads the first
+
+
+# ---- include_stop_str_in_output, skip_special_tokens: the detokenizer ----------------------
+
+
+def _stream(tok, ids, **kw):
+    from common.model.tokenizer import Detokenizer
+
+    d = Detokenizer(tok, [1, 2, 3], **kw)
+    deltas = []
+    for t in ids:
+        delta = d.push(t)
+        deltas.append(delta.text)
+        if delta.stop:
+            break
+    deltas.append(d.finish().text)
+    return "".join(deltas), d.stopped
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_across_tokens_is_cut_or_kept_whole(tok, include):
+    ids = tok.encode("The cat sat on the mat and slept")
+    stop = "t on th"  # spans several tokens
+    text, stopped = _stream(tok, ids, stop=(stop, "never"), include_stop=include)
+    assert stopped == stop
+    assert text == ("The cat sat on th" if include else "The cat sa")
+
+
+def test_special_tokens_stay_in_the_text_unless_skipped(tok):
+    ids = tok.encode("hello") + [tok.eos_token_ids[0]] + tok.encode(" world")
+    special = tok.token_text(tok.eos_token_ids[0])
+    assert special.startswith("<|")
+    assert _stream(tok, ids)[0] == "hello world"
+    assert _stream(tok, ids, skip_special_tokens=False)[0] == f"hello{special} world"

@@ -430,7 +430,8 @@ class Engine:
         stream = tracked.streams.get(seq.choice)
         if stream is None:
             p = seq.params
-            stream = Detokenizer(self.tokenizer, seq.request.prompt_token_ids, p.stop, p.skip_special_tokens)
+            stream = Detokenizer(self.tokenizer, seq.request.prompt_token_ids, p.stop,
+                                 p.skip_special_tokens, p.include_stop_str_in_output)
             tracked.streams[seq.choice] = stream
         return stream
 

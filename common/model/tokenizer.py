@@ -84,13 +84,17 @@ class Detokenizer:
     """Detokenizes one sequence incrementally and watches for stop strings."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+        """``include_stop``: the text keeps the stop string that ended it (vLLM's
+        include_stop_str_in_output); nothing is then held back, as all of it is shown."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         self._stop = tuple(stop)
-        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._include_stop = include_stop
+        self._window = max((len(s) for s in self._stop), default=1) - 1  # a stop may span tokens
+        self._holdback = 0 if include_stop else self._window
         self.text = ""  # all output text so far, cut at a stop string
         self._emitted = 0
         self.stopped: str | None = None
@@ -128,11 +132,11 @@ class Detokenizer:
     def _find_stop(self, before: int) -> None:
         if not self._stop:
             return
-        start = max(0, before - self._holdback)
+        start = max(0, before - self._window)
         hits = [(i, s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
         if hits:
             index, self.stopped = min(hits)
-            self.text = self.text[:index]
+            self.text = self.text[: index + len(self.stopped) if self._include_stop else index]
 
     def _take(self, final: bool) -> Delta:
         end = len(self.text) if final else max(self._emitted, len(self.text) - self._holdback)

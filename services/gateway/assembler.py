@@ -48,7 +48,8 @@ class ResponseAssembler:
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[TokenLogprob] | None = None  # with choice 0's first tokens
-        self._choices = [_Choice(Detokenizer(tokenizer, prompt_ids, params.stop, params.skip_special_tokens))
+        self._choices = [_Choice(Detokenizer(tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                                             params.include_stop_str_in_output))
                          for _ in range(params.n)]
 
     @property
