@@ -416,3 +416,34 @@ def test_special_tokens_stay_in_the_text_unless_skipped(tok):
     assert special.startswith("<|")
     assert _stream(tok, ids)[0] == "hello world"
     assert _stream(tok, ids, skip_special_tokens=False)[0] == f"hello{special} world"
+
+
+def test_prompt_logprobs_that_would_overflow_one_message_are_a_400(tok):
+    from services.gateway.errors import APIError
+    from services.gateway.parsing import MAX_PROMPT_LOGPROB_ENTRIES, parse_completion
+
+    long_prompt = [5] * 20000
+    body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 1}
+    assert parse_completion({**body, "prompt_logprobs": 5}, tok, MODEL, 32768).params.prompt_logprobs == 5
+    with pytest.raises(APIError) as e:
+        parse_completion({**body, "prompt_logprobs": 20}, tok, MODEL, 32768)
+    assert e.value.param == "prompt_logprobs" and str(MAX_PROMPT_LOGPROB_ENTRIES) in e.value.message
+
+
+def test_the_openapi_schemas_describe_the_new_fields():
+    import jsonschema
+
+    from services.gateway import openapi
+
+    chat, comp = openapi.chat_request(MODEL, 49152), openapi.completion_request(MODEL, 49152)
+    ok = {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"12": -100, "7": 2.5},
+          "priority": -5, "include_stop_str_in_output": True, "skip_special_tokens": False}
+    jsonschema.validate(ok, chat)
+    jsonschema.validate({"prompt": "a", "echo": True, "logprobs": 2, "prompt_logprobs": 20}, comp)
+    assert "prompt_logprobs" not in chat["properties"]
+    for bad in [{"logit_bias": {"x": 1}}, {"logit_bias": {"1": 101}}, {"priority": 2**31},
+                {"include_stop_str_in_output": "yes"}]:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**ok, **bad}, chat)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"prompt": "a", "prompt_logprobs": 21}, comp)

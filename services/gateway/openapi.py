@@ -15,7 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from common.sampling_params import MAX_N
-from services.gateway.parsing import MAX_CHAT_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_STOP
+from services.gateway.parsing import (
+    MAX_CHAT_TOP_LOGPROBS,
+    MAX_COMPLETION_LOGPROBS,
+    MAX_LOGIT_BIAS,
+    MAX_PROMPT_LOGPROBS,
+    MAX_STOP,
+)
 from services.gateway.prompts import ROLES
 
 Schema = dict[str, Any]
@@ -70,6 +76,20 @@ def _common_fields(model: str, vocab_size: int) -> dict[str, Schema]:
         "stop_token_ids": _nullable(_token_ids(vocab_size, 0)),
         "ignore_eos": _boolean(),
         "skip_special_tokens": _boolean(),
+        **_request_field_schemas(vocab_size),
+    }
+
+
+def _request_field_schemas(vocab_size: int) -> dict[str, Schema]:
+    """logit_bias (token ids as string keys, each below the vocabulary size, else a 400),
+    priority (vLLM's: lower is served earlier), include_stop_str_in_output."""
+    return {
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,9})$"},
+                                 "additionalProperties": {"type": "number", "minimum": -100,
+                                                          "maximum": 100}}),
+        "priority": _integer(-2**31, 2**31 - 1),
+        "include_stop_str_in_output": _boolean(),
     }
 
 
@@ -96,8 +116,9 @@ def completion_request(model: str, vocab_size: int) -> Schema:
     return {"type": "object", "required": ["prompt"], "properties": {
         "prompt": prompt,
         **_common_fields(model, vocab_size),
-        "echo": _boolean(),  # not together with logprobs
+        "echo": _boolean(),  # with logprobs, the prompt's tokens lead the logprobs
         "logprobs": _integer(0, MAX_COMPLETION_LOGPROBS),
+        "prompt_logprobs": _integer(0, MAX_PROMPT_LOGPROBS),  # vLLM's
         "best_of": _integer(1, MAX_N),  # only equal to n
     }}
 

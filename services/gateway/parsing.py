@@ -27,6 +27,9 @@ MAX_STOP = 4  # OpenAI's limit (SamplingParams allows more for the CLI)
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
+# Scored prompt tokens times (1 + alternatives): their records travel in one Tokens message,
+# which must stay well inside the wire's bound (about 22 bytes an entry at worst).
+MAX_PROMPT_LOGPROB_ENTRIES = 2**18
 MAX_LOGIT_BIAS = 1024  # entries: every message carrying the params carries them all
 # Sampling fields handed to SamplingParams.from_dict as sent: OpenAI's, then vLLM's extras.
 _SAMPLING_KEYS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty",
@@ -132,6 +135,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer | None, served_model: str,
     prompt = parse_prompt(body.get("prompt"), tokenizer, vocab)
     ids, text = prompt.token_ids, prompt.text
     params = _fit_context(params, max_tokens, len(ids), max_model_len, "prompt")
+    _check_prompt_scoring(params, len(ids))
     if echo and text is None:
         text = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
     return ParsedRequest("completion", model, ids, params, stream=stream,
@@ -246,6 +250,15 @@ def _with_prompt_logprobs(params: SamplingParams, asked: int | None,
     OpenAI's echo with logprobs (the prompt's tokens lead the logprobs)."""
     wanted = [k for k in (asked, echoed) if k is not None]
     return dataclasses.replace(params, prompt_logprobs=max(wanted)) if wanted else params
+
+
+def _check_prompt_scoring(params: SamplingParams, prompt_len: int) -> None:
+    k = params.prompt_logprobs
+    if k is not None and (prompt_len - 1) * (k + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise APIError.invalid(f"prompt_logprobs: {prompt_len} prompt tokens with {k} "
+                               f"alternatives each exceed {MAX_PROMPT_LOGPROB_ENTRIES} entries; "
+                               "ask for fewer alternatives or a shorter prompt",
+                               "prompt_logprobs")
 
 
 def _fit_context(params: SamplingParams, max_tokens: int | None, prompt_len: int,
