@@ -447,3 +447,18 @@ def test_the_openapi_schemas_describe_the_new_fields():
             jsonschema.validate({**ok, **bad}, chat)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"prompt": "a", "prompt_logprobs": 21}, comp)
+
+
+def test_an_engine_with_one_seat_serves_a_later_urgent_request_before_earlier_ones(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, max_num_seqs=1)
+    order = []
+    ids = {engine.add_request(list(range(10, 20)), SamplingParams(max_tokens=3, **GREEDY)): "first"}
+    engine.step()  # "first" holds the only seat
+    for name, prio in [("low", 5), ("default", 0), ("urgent", -1)]:
+        ids[engine.add_request(list(range(30, 40)), SamplingParams(max_tokens=3, priority=prio,
+                                                                   **GREEDY))] = name
+    while engine.has_unfinished:
+        for u in engine.step():
+            if u.finish_reason is not None and engine.finished_output(u.request_id):
+                order.append(ids[u.request_id])
+    assert order == ["first", "urgent", "default", "low"]
