@@ -23,13 +23,14 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-from common.metrics import RequestMetrics
+from common.metrics import GatewayMetrics
 from common.model.loader import resolve_model
 from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
 from common.protocol import Rejected, Tokens
 from services.gateway import openapi, responses
 from services.gateway.assembler import ResponseAssembler
+from services.gateway.dashboard import install_dashboard
 from services.gateway.disconnect import ClientGone, ClientWatch
 from services.gateway.drain import GatewayDrain, OpenRequests
 from services.gateway.errors import APIError
@@ -38,6 +39,7 @@ from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion
 from services.gateway.router_link import RouterLink, RouterUnavailable
 from services.gateway.run import RequestRun
 from services.gateway.settings import GatewaySettings
+from services.gateway.timeline import Timeline
 from services.timeouts import check_admission
 
 log = logging.getLogger("tandem.gateway")
@@ -55,13 +57,14 @@ class Gateway:
         self.tokenizer = Tokenizer(source.directory)
         self.model_name = settings.served_model_name or source.name
         self.registry = CollectorRegistry()
-        self.metrics = RequestMetrics(self.registry)
+        self.metrics = GatewayMetrics(self.registry, self.model_name)
         self.migrations = Counter("tandem:request_migrations", "Requests moved to another "
                                   "worker after theirs died", registry=self.registry)
         self.http_requests = Counter("tandem:http_requests", "HTTP responses", ["status"],
                                      registry=self.registry)
         self.link: RouterLink | None = None
         self.drain = GatewayDrain()
+        self.timeline = Timeline()  # recent requests' phases, for /dashboard
         self.created = int(time.time())
 
     @property
@@ -129,6 +132,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
 
+    install_dashboard(app, gw)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(responses.models_list([gw.model_name], gw.max_model_len, gw.created))
@@ -166,18 +171,22 @@ async def handle(gw: Gateway, request: Request, kind: str) -> Response:
         return Response(status_code=204)  # nobody reads it
     parsed = gw.parse(kind, parse_json(raw))
     watch = ClientWatch(request.receive)  # from here on a client that leaves is seen at once
+    trace = gw.timeline.start(parsed.request_id)
     try:
         channel = await watch.race(admit(gw, parsed))
     except ClientGone:  # left while queued: the router must forget the request
         watch.close()
+        gw.timeline.end(trace, "abort")
         gw.metrics.success.labels("abort").inc()
         await asyncio.shield(gw.link.abort(parsed.request_id))
         return Response(status_code=204)  # nobody reads it
     except BaseException:
         watch.close()
+        gw.timeline.end(trace, "rejected")
         raise
+    trace.admitted = time.monotonic()
     assembler = ResponseAssembler(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
-    run = RequestRun(gw, parsed, assembler, channel, watch)
+    run = RequestRun(gw, parsed, assembler, channel, watch, trace)
     if parsed.stream:
         gw.http_requests.labels("200").inc()
         return StreamingResponse(run.sse(request), media_type="text/event-stream",
