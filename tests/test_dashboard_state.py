@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from common.protocol import Heartbeat, Roster, Survey, WorkerView
 from common.roles import WorkerRole
 from services.gateway.dashboard import LOST_S, DashboardState
 from services.gateway.router_link import RouterLink, RouterUnavailable
+from services.gateway.settings import GatewaySettings
 from services.gateway.timeline import Timeline
 from tests.test_router import Cluster, serve, submit
 
@@ -198,3 +200,34 @@ def test_a_survey_of_a_router_that_is_not_there_fails_within_its_timeout():
             await link.close()
 
     asyncio.run(main())
+
+
+# ---- the gateway's routes, with no router at all --------------------------------------
+
+@pytest.fixture(scope="module")
+def lonely(tiny_model_dir):
+    from tests.test_gateway_http import ServedGateway, nobody_listens
+
+    settings = GatewaySettings(router=nobody_listens(), model=str(tiny_model_dir), api_key="sekret")
+    with ServedGateway(settings) as gw:
+        yield gw
+
+
+def test_without_a_router_the_state_still_answers_and_says_so(lonely):
+    with httpx.Client(base_url=lonely.url, timeout=20,  # a hang fails here, not a 200
+                      headers={"Authorization": "Bearer sekret"}) as client:
+        r = client.get("/dashboard/state")
+    assert r.status_code == 200, r.text
+    state = r.json()
+    assert state["router"]["reachable"] is False and "router" in state["router"]["error"]
+    assert state["workers"] == [] and state["requests"] == []
+    assert state["model"] == lonely.app.state.gateway.model_name
+
+
+def test_the_page_needs_no_key_but_its_state_does(lonely):
+    with httpx.Client(base_url=lonely.url, timeout=20) as client:
+        page = client.get("/dashboard")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        assert "/dashboard/state" in page.text and "<script src" not in page.text
+        assert client.get("/dashboard/state").status_code == 401
