@@ -154,8 +154,9 @@ def main(argv: list[str]) -> int:
     url, out = argv
     with Browser(width=1280, height=640) as b:
         b.open(url)
-        b.wait_for("document.querySelectorAll('#requests .request').length > 0",
-                   "the timeline to show requests")
+        b.wait_for("document.querySelectorAll('#requests .request').length > 0 && "
+                   "Number(document.getElementById('poll').dataset.polls) >= 3",
+                   "the timeline to show requests, and rates over a few polls")
         b.screenshot(Path(out))
     print(out)
     return 0
