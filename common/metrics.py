@@ -38,6 +38,10 @@ class ByModel:
     def labels(self, *values: str):
         return self._metric.labels(self._model, *values)
 
+    def collect(self):
+        """The whole family, every label set (as the metric's own ``collect``)."""
+        return self._metric.collect()
+
 
 def _model_metric(kind, name: str, doc: str, model_name: str, labels: tuple[str, ...] = (),
                   registry: CollectorRegistry | None = None, **kw):
