@@ -25,7 +25,6 @@ from common.rules import check_token_ids
 from services.gateway import openapi, responses
 from services.gateway.errors import APIError, shown
 from services.gateway.guards import read_body
-from services.gateway.parsing import _model as check_model
 from services.gateway.parsing import parse_json
 from services.gateway.prompts import parse_messages
 
@@ -156,6 +155,15 @@ def detokenize(gw: Gateway, body: Any) -> dict[str, Any]:
     except InvalidRequestError as e:
         raise APIError.from_invalid_request(e) from None
     return {"prompt": gw.tokenizer.decode(tokens, skip_special_tokens=False)}
+
+
+def check_model(body: Mapping[str, Any], served: str) -> None:
+    """As the generation routes: ``model`` may be left out; another name is a 404."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError.invalid(f"model must be a string, got {shown(model)}", "model")
+    if model is not None and model != served:
+        raise APIError.model_not_found(model)
 
 
 def _object(body: Any) -> Mapping[str, Any]:
