@@ -309,6 +309,12 @@ def test_max_output_tokens_cuts_the_response_as_incomplete(cluster, sdk):
     assert r["output"][0]["status"] == "incomplete" and r["usage"]["output_tokens"] == 3
 
 
+def test_tokenize_counts_what_a_chat_request_is_charged(cluster, sdk):
+    _, _, usage = chat_text(sdk, MESSAGES, 2)
+    counted = httpx.post(f"{cluster.url}/tokenize", json={"messages": MESSAGES}, timeout=30)
+    assert counted.json()["count"] == usage.prompt_tokens
+
+
 def stream_events(cluster, body) -> list[tuple[str, dict]]:
     events = []
     with httpx.stream("POST", f"{cluster.url}/v1/responses", json={**body, "stream": True},
@@ -372,3 +378,40 @@ def test_a_stream_that_cannot_fit_is_refused_before_it_starts(cluster):
     r = httpx.post(f"{cluster.url}/v1/responses", timeout=60,
                    json={"input": "word " * 1100, "stream": True})
     assert assert_openai_error(r, 400)["param"] == "input"
+
+
+# ---- the Responses stream's events, without a cluster -------------------------------------
+
+def parse_events(frames: list[bytes]) -> list[dict]:
+    out = []
+    for frame in frames:
+        event, data = frame.decode().rstrip("\n").split("\n")
+        out.append(json.loads(data.removeprefix("data: ")))
+        assert event == f"event: {out[-1]['type']}"
+    return out
+
+
+def test_a_stream_that_fails_ends_with_error_and_response_failed():
+    from common.sampling_params import SamplingParams
+    from services.gateway.assembler import ChoiceDelta
+    from services.gateway.errors import APIError
+    from services.gateway.parsing import ParsedRequest
+    from services.gateway.responses_api import ResponsesRequest
+    from services.gateway.responses_events import ResponsesStream
+
+    parsed = ParsedRequest("chat", "tiny", [1, 2], SamplingParams(max_tokens=4), stream=True,
+                           request_id="resp_x")
+    stream = ResponsesStream(ResponsesRequest(parsed, instructions="Be brief."))
+    events = parse_events([*stream.start(), *stream.delta(ChoiceDelta(0, "Hi", [], None)),
+                           *stream.delta(ChoiceDelta(0, "", [], None)),
+                           *stream.error(APIError.unavailable("the worker died"))])
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "error", "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(7))
+    assert events[5]["message"] == "the worker died"
+    assert events[5]["code"] == "service_unavailable_error"
+    failed = events[6]["response"]
+    assert failed["status"] == "failed" and failed["id"] == "resp_x"
+    assert failed["error"] == {"code": "service_unavailable_error", "message": "the worker died"}
+    assert failed["instructions"] == "Be brief."

@@ -3,8 +3,10 @@
 One request's path: parse and validate (``parsing``) → submit to the router and wait
 for admission (429/503 with ``Retry-After`` when refused) → gather tokens from whichever
 workers produce them (``ResponseAssembler`` orders, detokenizes and applies stop strings) →
-answer as JSON or as server-sent events (``responses``). A client that goes away, a stop
-string, or a timeout aborts the request on every service, so its KV blocks are freed.
+answer as JSON or as server-sent events (``responses``); ``generation`` holds those steps
+for every generation route (chat, completions, and ``responses_api``'s /v1/responses). A
+client that goes away, a stop string, or a timeout aborts the request on every service,
+so its KV blocks are freed. ``extras`` serves the small endpoints (/tokenize, ...).
 Every error body, and the API key, are ``guards``' business; shutting down without
 cutting a stream is ``drain``'s (SIGTERM: new requests get 503, ``/ready`` 503, open
 ones finish).

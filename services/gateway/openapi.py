@@ -1,4 +1,5 @@
-"""The OpenAPI description of the two generation routes: what ``parsing`` accepts.
+"""The OpenAPI description of the routes that read a body: what ``parsing`` accepts (the
+two generation routes), and ``extras``' and ``responses_api``'s bodies and answers.
 
 The routes read their bodies themselves (so that every bad body becomes an OpenAI error,
 see ``parsing``), which leaves FastAPI nothing to describe; these JSON schemas say what

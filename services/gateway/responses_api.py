@@ -7,9 +7,10 @@ string or ``input_text`` / ``output_text`` parts) — and goes the chat path fro
 ``response`` object, or its stream of typed events (``responses_events``).
 
 Served: ``model``, ``input``, ``instructions``, ``max_output_tokens``, ``temperature``,
-``top_p``, ``stream`` (and ``stream_options``), ``user``, ``metadata`` (echoed back),
-``store: false``; ``parallel_tool_calls``, ``prompt_cache_key``, ``safety_identifier``
-and ``service_tier`` ``auto``/``default`` are accepted and change nothing. Left out, each
+``top_p``, ``stream``, ``user``, ``metadata`` (echoed back), ``store: false``;
+``parallel_tool_calls``, ``prompt_cache_key``, ``safety_identifier``, ``stream_options``
+and ``service_tier`` ``auto``/``default`` are accepted and change nothing (other unknown
+fields are ignored, as on the chat route). Left out, each
 a 400 naming the field (``UNSUPPORTED``): stored state (``store: true``,
 ``previous_response_id``, ``conversation``, ``background``, and the GET / DELETE / cancel
 routes of a stored response), tools (``tools``, ``tool_choice`` beyond ``auto``/``none``,
