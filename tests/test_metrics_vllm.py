@@ -82,6 +82,13 @@ def test_request_metrics_carry_model_name_and_move_with_traffic(cluster, model_n
                            ("tandem:generation_tokens_total", generated)):
         assert value(after, name, model_name=model_name) - value(before, name,
                                                                  model_name=model_name) == expected
+    # e2e counts from the Submit: its queue time, then the prefill and the decode time.
+    def grew(name: str) -> float:
+        return value(after, name, model_name=model_name) - value(before, name, model_name=model_name)
+
+    phases = (grew("tandem:request_prefill_time_seconds_sum")
+              + grew("tandem:request_decode_time_seconds_sum"))
+    assert grew("tandem:e2e_request_latency_seconds_sum") >= phases - 1e-9 and phases > 0
     # Each ran out of tokens: vLLM's finished_reason="length".
     success = "tandem:request_success_total"
     assert (value(after, success, model_name=model_name, finished_reason="length")

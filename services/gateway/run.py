@@ -86,7 +86,10 @@ class RequestRun:
         self.watch = watch
         watch.on_gone = self._abort
         self.ended = False  # finished or aborted: the abort is sent at most once
-        self.start = time.monotonic()
+        # TTFT and e2e count from the Submit, the router's queue included (as vLLM's count
+        # from arrival); the prefill time from admission.
+        self.admitted = time.monotonic()
+        self.start = trace.submitted if trace is not None else self.admitted
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.ended_here = False  # a choice was cut by a stop string: workers must be told
@@ -231,7 +234,7 @@ class RequestRun:
         m.generation_tokens.inc(self.assembler.num_completion_tokens)
         reason = "stop" if self.ended_here else self.finish_reason or "stop"
         m.success.labels(reason).inc()
-        m.observe_request(RequestPhases(self.start, self.first_token, now,
+        m.observe_request(RequestPhases(self.admitted, self.first_token, now,
                                         self.assembler.num_prompt_tokens,
                                         self.assembler.num_completion_tokens))
         if self.trace is not None:
