@@ -202,7 +202,8 @@ class WorkerService:
         tokens = self.engine.num_computed_tokens - before
         self.rates.observe_step(time.monotonic() - start, tokens,
                                 prefill_only=self.s.role is WorkerRole.PREFILL)
-        self.metrics.iteration_tokens.observe(tokens)
+        if tokens:  # a step that computed nothing (all waiting for blocks) is no iteration
+            self.metrics.iteration_tokens.observe(tokens)
         return updates
 
     def _guarded(self, what: str, request_id: str | None, reply_to: str | None,
