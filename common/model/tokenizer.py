@@ -41,12 +41,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt: special tokens (BOS) added as the model expects."""
-        return self.hf.encode(text, add_special_tokens=True)
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True, *,
+                            add_special_tokens: bool = False) -> list[int]:
         if not self.hf.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         try:
@@ -54,8 +55,8 @@ class Tokenizer:
                                                add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja raises on messages the template cannot render
             raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
-        # The template writes BOS itself where the model wants one.
-        return self.hf.encode(text, add_special_tokens=False)
+        # The template writes BOS itself where the model wants one (hence the default).
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -27,7 +27,8 @@ from services.gateway.errors import APIError
 log = logging.getLogger("tandem.gateway")
 
 Respond = Callable[[APIError], Response]  # an APIError as the response that carries it
-OPEN_PATHS = frozenset({"/health", "/ready"})  # probes need no key
+# Probes need no key, nor the dashboard's page (it holds no data: its polls send the key).
+OPEN_PATHS = frozenset({"/health", "/ready", "/dashboard"})
 
 
 def install_guards(app: FastAPI, api_key: str | None, respond: Respond) -> None:
@@ -38,6 +39,12 @@ def install_guards(app: FastAPI, api_key: str | None, respond: Respond) -> None:
 
     async def http_error(request: Request, e: HTTPException) -> Response:
         message = e.detail if isinstance(e.detail, str) else "the request cannot be served"
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:  # no such route: OpenAI's words for it
+            message = f"Invalid URL ({where})"
+        elif e.status_code == 405:
+            allowed = (e.headers or {}).get("Allow", "")
+            message = f"Method Not Allowed ({where}); this route takes {allowed}"
         response = respond(APIError(e.status_code, message))
         response.headers.update(e.headers or {})  # 405 says which methods are allowed
         return response

@@ -13,9 +13,10 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
+from common.metrics import RequestPhases
 from common.protocol import Rejected, Tokens
 from services.gateway import responses
 from services.gateway.assembler import ChoiceDelta, ResponseAssembler
@@ -25,6 +26,7 @@ from services.gateway.parsing import ParsedRequest
 from services.gateway.prompt_logprobs import PromptLogprobs, prompt_logprobs_for
 from services.gateway.resume import MOVE_ADMISSION_S, Attempt, continuations
 from services.gateway.router_link import RouterUnavailable
+from services.gateway.timeline import RequestTrace
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -32,6 +34,46 @@ if TYPE_CHECKING:
     from services.gateway.app import Gateway
 
 log = logging.getLogger("tandem.gateway")
+# A full response body from the request, its finished choices and its usage.
+BuildBody = Callable[[ParsedRequest, Sequence[responses.ChoiceResult], dict], dict]
+
+
+class StreamFormat(Protocol):
+    """How one stream's server-sent events are written (chat and completions chunks, or
+    the Responses API's events). Each method returns the events to send, in order."""
+
+    def start(self) -> Iterable[bytes]: ...  # before the first token
+
+    def delta(self, d: ChoiceDelta) -> Iterable[bytes]: ...
+
+    def end(self, usage: dict[str, Any]) -> Iterable[bytes]: ...  # after the last token
+
+    def error(self, e: APIError) -> Iterable[bytes]: ...  # the request failed mid-stream
+
+
+class ChunkStream:
+    """Chat and completions streams: a chunk per delta, usage if asked, then [DONE]."""
+
+    def __init__(self, parsed: ParsedRequest,
+                 prompt: Callable[[], PromptLogprobs | None] = lambda: None) -> None:
+        """``prompt``: the prompt's logprobs once they arrived (completions' first chunks)."""
+        self.parsed, self.fmt = parsed, responses.ChunkFormatter(parsed)
+        self._prompt = prompt
+
+    def start(self) -> Iterable[bytes]:
+        return ()
+
+    def delta(self, d: ChoiceDelta) -> Iterable[bytes]:
+        lps = d.tokens if self.parsed.logprobs_mode else None
+        return (responses.sse(self.fmt.chunk(d.index, d.text, lps, d.finish_reason,
+                                             self._prompt())),)
+
+    def end(self, usage: dict[str, Any]) -> Iterable[bytes]:
+        chunk = self.fmt.usage_chunk(usage)
+        return (responses.SSE_DONE,) if chunk is None else (responses.sse(chunk), responses.SSE_DONE)
+
+    def error(self, e: APIError) -> Iterable[bytes]:
+        return (responses.sse(e.body()), responses.SSE_DONE)
 
 
 class RequestRun:
@@ -40,17 +82,23 @@ class RequestRun:
     they end."""
 
     def __init__(self, gw: Gateway, parsed: ParsedRequest, assembler: ResponseAssembler,
-                 channel: asyncio.Queue[Tokens], watch: ClientWatch) -> None:
+                 channel: asyncio.Queue[Tokens], watch: ClientWatch,
+                 trace: RequestTrace | None = None) -> None:
         self.gw, self.parsed, self.assembler, self.channel = gw, parsed, assembler, channel
+        self.trace = trace  # its row in the gateway's timeline (/dashboard)
         # The live tries by request id: the original, or the continuations of its choices.
         self.attempts: dict[str, Attempt] = {parsed.request_id: Attempt(parsed.request_id)}
         self.watch = watch
         watch.on_gone = self._abort
         self.ended = False  # finished or aborted: the abort is sent at most once
-        self.start = time.monotonic()
+        # TTFT and e2e count from the Submit, the router's queue included (as vLLM's count
+        # from arrival); the prefill time from admission.
+        self.admitted = time.monotonic()
+        self.start = trace.submitted if trace is not None else self.admitted
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.ended_here = False  # a choice was cut by a stop string: workers must be told
+        self.finish_reason: str | None = None  # the first choice's, for the metrics
         self._prompt: PromptLogprobs | None = None
 
     async def deltas(self, request: Request) -> AsyncIterator[ChoiceDelta]:
@@ -65,6 +113,8 @@ class RequestRun:
                 if why_not is None:
                     continue  # the rest comes from other workers
                 raise APIError.unavailable(f"{msg.error} ({why_not})")
+            if self.trace is not None and msg.token_ids:
+                self.trace.saw_tokens(msg.worker_id, len(msg.token_ids), time.monotonic())
             if attempt.choice is not None:  # a continuation: put its tokens back in place
                 msg = dataclasses.replace(msg, choice=attempt.choice,
                                           index=msg.index + attempt.offset)
@@ -122,8 +172,11 @@ class RequestRun:
             self.last_token = now
         if delta.finish_reason is not None and msg.finish_reason is None:
             self.ended_here = True
+        if delta.finish_reason is not None and delta.index == 0:
+            self.finish_reason = delta.finish_reason
 
-    async def collect(self, request: Request) -> dict:
+    async def collect(self, request: Request, build: BuildBody | None = None) -> dict:
+        """The whole answer as one body: ``build`` (chat or completion by default)."""
         texts = {i: [] for i in range(self.parsed.params.n)}
         logprobs = {i: [] for i in range(self.parsed.params.n)}
         reasons: dict[int, str | None] = {}
@@ -144,27 +197,31 @@ class RequestRun:
         choices = [responses.ChoiceResult(i, "".join(texts[i]), reasons.get(i),
                                     logprobs[i] if self.parsed.logprobs_mode else None)
                    for i in range(self.parsed.params.n)]
-        chat = self.parsed.kind == "chat"
-        build = responses.chat_completion if chat else responses.text_completion
-        extra = {} if chat else {"prompt": self._prompt_logprobs()}
-        return build(self.parsed, choices, self._usage(), **extra)
+        if build is None:
+            chat = self.parsed.kind == "chat"
+            build = responses.chat_completion if chat else self._text_completion
+        return build(self.parsed, choices, self._usage())
 
-    async def sse(self, request: Request) -> AsyncIterator[bytes]:
-        fmt = responses.ChunkFormatter(self.parsed)
+    def _text_completion(self, parsed: ParsedRequest, choices: Sequence[responses.ChoiceResult],
+                         usage: dict) -> dict:
+        return responses.text_completion(parsed, choices, usage, self._prompt_logprobs())
+
+    async def sse(self, request: Request, fmt: StreamFormat | None = None) -> AsyncIterator[bytes]:
+        """The answer as server-sent events, written by ``fmt`` (chunks by default)."""
+        fmt = fmt or ChunkStream(self.parsed, self._prompt_logprobs)
         try:
+            for event in fmt.start():
+                yield event
             async for d in self.deltas(request):
-                lps = d.tokens if self.parsed.logprobs_mode else None
-                yield responses.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason,
-                                              self._prompt_logprobs()))
-            usage = fmt.usage_chunk(self._usage())
-            if usage is not None:
-                yield responses.sse(usage)
-            yield responses.SSE_DONE
+                for event in fmt.delta(d):
+                    yield event
+            for event in fmt.end(self._usage()):
+                yield event
             await self._finish()
         except APIError as e:
             await self._abort()
-            yield responses.sse(e.body())
-            yield responses.SSE_DONE
+            for event in fmt.error(e):
+                yield event
         except ClientGone:  # nobody to tell: end the stream quietly
             await self._abort()
         except BaseException:  # cancelled by the server, or a bug: abort and let it rise
@@ -188,11 +245,17 @@ class RequestRun:
         if self.ended:
             return
         self.ended = True
-        m = self.gw.metrics
-        m.e2e.observe(time.monotonic() - self.start)
+        m, now = self.gw.metrics, time.monotonic()
+        m.e2e.observe(now - self.start)
         m.prompt_tokens.inc(self.assembler.num_prompt_tokens)
         m.generation_tokens.inc(self.assembler.num_completion_tokens)
-        m.success.labels("stop" if self.ended_here else "finished").inc()
+        reason = "stop" if self.ended_here else self.finish_reason or "stop"
+        m.success.labels(reason).inc()
+        m.observe_request(RequestPhases(self.admitted, self.first_token, now,
+                                        self.assembler.num_prompt_tokens,
+                                        self.assembler.num_completion_tokens))
+        if self.trace is not None:
+            self.gw.timeline.end(self.trace, reason)
         if self.ended_here:
             await self._abort_tries(list(self.attempts), "stop string")
         else:
@@ -204,6 +267,8 @@ class RequestRun:
             return
         self.ended = True
         self.gw.metrics.success.labels("abort").inc()
+        if self.trace is not None:
+            self.gw.timeline.end(self.trace, "abort")
         await self._abort_tries(list(self.attempts))
 
     async def _abort_tries(self, request_ids: list[str], reason: str = "client") -> None:
