@@ -159,3 +159,14 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(cluster):
         "messages": [{"role": "user", "content": "hi"}], "skip_special_tokens": False, **body,
         "prompt": None}).json()
     assert chat["choices"][0]["message"]["content"] == "<|im_end|>" * 3
+
+
+def test_the_eos_that_ends_a_choice_shows_only_with_include_stop_str_in_output(cluster):
+    body = {"prompt": list(range(120, 140)), "max_tokens": 3, "temperature": 0,
+            "logit_bias": {str(EOS): 100}, "skip_special_tokens": False}
+    [hidden] = complete(cluster, **body)["choices"]
+    assert (hidden["text"], hidden["finish_reason"]) == ("", "stop")
+    [shown] = complete(cluster, **body, include_stop_str_in_output=True)["choices"]
+    assert (shown["text"], shown["finish_reason"]) == ("<|im_end|>", "stop")
+    streamed, _ = stream_text(cluster, "/v1/completions", {**body, "include_stop_str_in_output": True})
+    assert streamed == "<|im_end|>"

@@ -462,3 +462,24 @@ def test_an_engine_with_one_seat_serves_a_later_urgent_request_before_earlier_on
             if u.finish_reason is not None and engine.finished_output(u.request_id):
                 order.append(ids[u.request_id])
     assert order == ["first", "urgent", "default", "low"]
+
+
+def test_the_eos_or_stop_token_that_ends_a_choice_has_no_text_unless_included(tok):
+    from common.protocol import Tokens
+    from services.gateway.assembler import ResponseAssembler
+
+    ids = tok.encode(" red blue")
+    eos = tok.eos_token_ids[0]
+    for stop_ids, include, want in [((), False, " red blue"), ((), True, " red blue<|im_end|>")]:
+        a = ResponseAssembler(tok, [1, 2, 3], SamplingParams(
+            max_tokens=8, skip_special_tokens=False, include_stop_str_in_output=include,
+            stop_token_ids=stop_ids))
+        deltas = a.feed(Tokens("r", 0, 0, [*ids, eos], finish_reason=FinishReason.STOP))
+        assert "".join(d.text for d in deltas) == want
+        assert [t.token_id for d in deltas for t in d.tokens] == [*ids, eos]  # still counted
+    blue = ids[-1]
+    a = ResponseAssembler(tok, [1, 2, 3], SamplingParams(max_tokens=8, stop_token_ids=(blue,)))
+    assert "".join(d.text for d in a.feed(Tokens("r", 0, 0, ids, finish_reason=FinishReason.STOP))) == " red"
+    a = ResponseAssembler(tok, [1, 2, 3], SamplingParams(max_tokens=2, skip_special_tokens=False))
+    text = a.feed(Tokens("r", 0, 0, [ids[0], eos], finish_reason=FinishReason.LENGTH))[0].text
+    assert text == " red<|im_end|>"  # ended by length (ignore_eos): the token is shown

@@ -405,7 +405,10 @@ class Engine:
             seq.token_ids.append(token)
             kept.append(token)
             reason, stop = self._check_stop(seq, token)
-            if stream is not None:
+            # The EOS or stop token that ends a sequence has no text (vLLM's rule), unless
+            # include_stop_str_in_output.
+            if stream is not None and (reason is not FinishReason.STOP
+                                       or seq.params.include_stop_str_in_output):
                 delta = stream.push(token)
                 if delta.stop is not None and reason is None:
                     reason, stop = FinishReason.STOP, delta.stop

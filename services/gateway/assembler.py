@@ -102,10 +102,12 @@ class ResponseAssembler:
             if token >= 0:
                 choice.token_ids.append(token)
                 tokens.append(self._token_info(token, lp))
-                delta = choice.text_stream.push(token)
-                text.append(delta.text)
-                if delta.stop is not None:
-                    reason = "stop"
+                if reason != "stop" or self.params.include_stop_str_in_output:
+                    delta = choice.text_stream.push(token)
+                    text.append(delta.text)
+                    if delta.stop is not None:
+                        reason = "stop"
+                # else: the EOS or stop token that ended the choice, unshown (as vLLM)
             if reason is not None:
                 text.append(choice.text_stream.finish().text)
                 choice.finish_reason = reason
