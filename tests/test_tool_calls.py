@@ -525,3 +525,130 @@ def test_a_stream_without_calls_is_plain_content(tok):
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+
+
+# ---------------------------------------------------------------- over HTTP, fixed model text
+
+class ScriptedLink:
+    """Stands in for the gateway's router link: every request is admitted and "generates"
+    the tokens of ``text`` one message per token, so the real gateway (parsing, assembler,
+    responses, SSE) serves a known model output to a real client."""
+
+    def __init__(self, real, tokenizer: Tokenizer) -> None:
+        self.real, self.tok = real, tokenizer
+        self.text = ""
+        self.submitted: list[SamplingParams] = []
+        self.last_status = None
+        self.reply_to = real.reply_to
+
+    async def submit(self, request_id, prompt, params, timeout, channel=None):
+        import asyncio
+
+        from common.outputs import FinishReason
+        from common.protocol import Admitted, Tokens
+        from services.gateway.router_link import Admission
+
+        self.submitted.append(params)
+        channel = channel if channel is not None else asyncio.Queue()
+        ids = self.tok.hf.encode(self.text, add_special_tokens=False)
+        for choice in range(params.n):
+            for i, token in enumerate(ids):
+                last = i == len(ids) - 1
+                channel.put_nowait(Tokens(request_id, choice, i, [token],
+                                          finish_reason=FinishReason.STOP if last else None,
+                                          num_prompt_tokens=len(prompt)))
+        return Admission(Admitted(request_id), channel)
+
+    async def abort(self, request_id, reason="client") -> None:
+        pass
+
+    def release(self, request_id) -> None:
+        pass
+
+    async def status(self, timeout: float = 2.0):
+        return None
+
+    async def close(self) -> None:
+        await self.real.close()
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model_dir):
+    from services.gateway.app import GatewaySettings
+    from tests.test_gateway_http import ServedGateway, nobody_listens
+
+    with ServedGateway(GatewaySettings(router=nobody_listens(), model=str(tiny_model_dir))) as gw:
+        state = gw.app.state.gateway
+        state.link = ScriptedLink(state.link, state.tokenizer)
+        yield gw, state.link
+
+
+def sdk(gw):
+    import openai
+
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_the_openai_sdk_reads_tool_calls_unchanged(scripted):
+    gw, link = scripted
+    link.text = TWO_CALLS
+    out = sdk(gw).chat.completions.create(model=_served(gw), messages=ASK, tools=TOOLS,
+                                          max_tokens=64)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I will check both."
+    call = choice.message.tool_calls[0]
+    assert (call.type, call.function.name) == ("function", "get_weather")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert choice.message.tool_calls[1].function.name == "get_time"
+    assert link.submitted[-1].structured is None  # auto: nothing forced
+
+
+def test_the_sdk_stream_helper_assembles_the_same_calls(scripted):
+    gw, link = scripted
+    link.text = TWO_CALLS
+    client = sdk(gw)
+    whole = client.chat.completions.create(model=_served(gw), messages=ASK, tools=TOOLS,
+                                           max_tokens=64).choices[0].message
+    with client.chat.completions.stream(model=_served(gw), messages=ASK, tools=TOOLS,
+                                        max_tokens=64) as stream:
+        events = list(stream)
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content == whole.content
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole.tool_calls]
+    pieces = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert len(pieces) > 10  # the arguments came in fragments, not at the end
+    contents = "".join(e.delta for e in events if e.type == "content.delta")
+    assert "<tool_call>" not in contents and contents == "I will check both."
+
+
+def test_a_forced_call_sends_its_schema_to_the_workers(scripted):
+    gw, link = scripted
+    link.text = '{"zone": "CET"}'
+    out = sdk(gw).chat.completions.create(
+        model=_served(gw), messages=ASK, tools=TOOLS, max_tokens=16,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    spec = link.submitted[-1].structured
+    assert spec.kind is StructuredKind.JSON
+    assert json.loads(spec.spec) == TIME["function"]["parameters"]
+    call = out.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"zone": "CET"}
+
+
+def test_bad_tools_over_http_are_400s_with_the_param(scripted):
+    import openai
+
+    gw, _ = scripted
+    client = sdk(gw)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=_served(gw), messages=ASK, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "x"}})
+    assert info.value.body["param"] == "tool_choice.function.name"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=_served(gw), messages=ASK,
+                                       tools=[{"type": "function", "function": {"name": "a b"}}])
+    assert info.value.body["param"] == "tools.[0].function.name"
+
+
+def _served(gw) -> str:
+    return gw.app.state.gateway.model_name
