@@ -652,3 +652,33 @@ def test_bad_tools_over_http_are_400s_with_the_param(scripted):
 
 def _served(gw) -> str:
     return gw.app.state.gateway.model_name
+
+
+# ---------------------------------------------------------------- the --tool-call-parser option
+
+def test_the_gateway_setting_and_flags_choose_the_parser(tiny_model_dir):
+    from cli.main import build_parser
+    from services import launcher
+    from services.gateway.app import GatewaySettings
+
+    assert GatewaySettings(router="tcp://127.0.0.1:1").tool_call_parser == "hermes"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json"):
+        GatewaySettings(router="tcp://127.0.0.1:1", tool_call_parser="mistral")
+    args = build_parser().parse_args(["gateway", "--tool-call-parser", "llama3_json"])
+    assert args.tool_call_parser == "llama3_json"
+    assert build_parser().parse_args(["gateway"]).tool_call_parser == "hermes"
+    up = build_parser().parse_args(["up", "--model", str(tiny_model_dir),
+                                    "--tool-call-parser", "llama3_json"])
+    [gateway] = [c for c in launcher.plan(up) if c.name == "gateway"]
+    assert gateway.argv[gateway.argv.index("--tool-call-parser") + 1] == "llama3_json"
+    plain = build_parser().parse_args(["up", "--model", str(tiny_model_dir)])
+    [gateway] = [c for c in launcher.plan(plain) if c.name == "gateway"]
+    assert "--tool-call-parser" not in gateway.argv  # the gateway's own default
+
+
+def test_a_llama3_json_gateway_reads_llama_calls(tok):
+    req = chat(tok, "llama3_json", tools=TOOLS)
+    text = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    body = chat_completion(req, [ChoiceResult(0, text, "stop")], usage(1, 1))
+    [call] = body["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
