@@ -197,3 +197,30 @@ def test_a_forced_call_streams_as_tool_call_deltas(request, name):
     assert content == "" and reason == "tool_calls"
     assert calls == [(t.function.name, t.function.arguments) for t in whole]
     check_call(*calls[0])
+
+
+@requires_structured_mask
+@pytest.mark.parametrize("name", CLUSTERS)
+def test_the_sdks_parse_helper_reads_a_forced_pydantic_call(request, name):
+    """``client.chat.completions.parse`` with ``openai.pydantic_function_tool``: a strict
+    schema with "$defs" references, read back as the model class."""
+    from typing import Literal
+
+    import pydantic
+
+    class Place(pydantic.BaseModel):
+        zone: Literal["UTC", "CET"]
+
+    class Meeting(pydantic.BaseModel):
+        place: Place
+        online: bool
+
+    cluster = request.getfixturevalue(name)
+    tool = openai.pydantic_function_tool(Meeting)
+    assert "$defs" in tool["function"]["parameters"]
+    out = client(cluster).chat.completions.parse(
+        model=model(cluster), messages=ASK, tools=[tool], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=64, temperature=0)
+    [call] = out.choices[0].message.tool_calls
+    assert call.function.name == "Meeting"
+    assert isinstance(call.function.parsed_arguments, Meeting)

@@ -682,3 +682,29 @@ def test_a_llama3_json_gateway_reads_llama_calls(tok):
     body = chat_completion(req, [ChoiceResult(0, text, "stop")], usage(1, 1))
     [call] = body["choices"][0]["message"]["tool_calls"]
     assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+
+
+PYDANTIC_STYLE = {"type": "function", "function": {"name": "book", "parameters": {
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}},
+                        "required": ["city"]}},
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"},
+                                     "via": {"type": "array", "items": {"$ref": "#/$defs/Place"}}},
+    "required": ["to"]}}}
+
+
+def test_required_keeps_references_in_a_tools_schema_resolving(tok):
+    """pydantic writes "#/$defs/..." references relative to the parameters' own root:
+    inside the array of calls they must still point at the tool's definitions."""
+    schema = json.loads(chat(tok, tools=[PYDANTIC_STYLE, TIME], tool_choice="required")
+                        .params.structured.spec)
+    good = [{"name": "book", "parameters": {"to": {"city": "Rome"}, "via": [{"city": "Bern"}]}}]
+    jsonschema.validate(good, schema)
+    for bad in ([{"name": "book", "parameters": {"to": {"town": "Rome"}}}],
+                [{"name": "book", "parameters": {"to": {"city": "Rome"}, "via": [{"c": 1}]}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert "$defs" not in json.loads(chat(tok, tools=[TIME], tool_choice="required")
+                                     .params.structured.spec)  # nothing to move: inline
+    named = json.loads(chat(tok, tools=[PYDANTIC_STYLE], tool_choice={
+        "type": "function", "function": {"name": "book"}}).params.structured.spec)
+    jsonschema.validate(good[0]["parameters"], named)

@@ -92,14 +92,17 @@ class ToolRequest:
             return next(t for t in self.tools if t.name == self.function).arguments_schema()
         if self.choice is not ChoiceKind.REQUIRED:
             return None
+        defs: dict[str, Any] = {}
         calls = [{"type": "object", "properties": {"name": {"type": "string", "const": t.name},
-                                                   "parameters": t.arguments_schema()},
+                                                   "parameters": _placed(t, i, defs)},
                   "required": ["name", "parameters"], "additionalProperties": False}
-                 for t in self.tools]
+                 for i, t in enumerate(self.tools)]
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
                                   "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return schema
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
@@ -112,7 +115,53 @@ class ToolRequest:
                                    "function) cannot be combined with response_format",
                                    "tool_choice")
         spec = StructuredOutput(StructuredKind.JSON, json.dumps(schema, ensure_ascii=False))
+        _check_compiles(spec)
         return dataclasses.replace(params, structured=spec)
+
+
+def _check_compiles(spec: StructuredOutput) -> None:
+    """A schema the engine's grammar compiler refuses is the client's 400, not a worker's
+    failure. (``common.grammar`` comes with the engine's structured-output mask; without
+    it the engine ignores the constraint, so there is nothing to check.)"""
+    try:
+        from common.grammar import GrammarError, check
+    except ImportError:
+        return
+    try:
+        check(spec)
+    except GrammarError as e:
+        raise APIError.invalid(f"tools: a forced call cannot be enforced with these "
+                               f"parameters schemas ({e.message})", "tools") from None
+
+
+def _placed(tool: Tool, i: int, defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's arguments schema inside the ``required`` schema. One with references
+    ("#/$defs/..." as pydantic writes them, relative to its own root) moves to
+    ``$defs/tool_<i>`` with its references re-rooted there, so they still resolve."""
+    schema = tool.arguments_schema()
+    if not _has_ref(schema):
+        return schema
+    base = f"#/$defs/tool_{i}"
+    defs[f"tool_{i}"] = _rerooted(schema, base)
+    return {"$ref": base}
+
+
+def _has_ref(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return isinstance(value.get("$ref"), str) or any(_has_ref(v) for v in value.values())
+    return isinstance(value, list) and any(_has_ref(v) for v in value)
+
+
+def _rerooted(value: Any, base: str) -> Any:
+    if isinstance(value, list):
+        return [_rerooted(v, base) for v in value]
+    if not isinstance(value, Mapping):
+        return value
+    out = {k: _rerooted(v, base) for k, v in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 class FirstCall:
