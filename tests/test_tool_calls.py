@@ -708,3 +708,15 @@ def test_required_keeps_references_in_a_tools_schema_resolving(tok):
     named = json.loads(chat(tok, tools=[PYDANTIC_STYLE], tool_choice={
         "type": "function", "function": {"name": "book"}}).params.structured.spec)
     jsonschema.validate(good[0]["parameters"], named)
+
+
+def test_a_schema_the_grammar_compiler_refuses_is_a_400_on_tools(tok):
+    pytest.importorskip("common.grammar", reason="comes with the structured-output mask")
+    tools = tools_with(parameters={"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(?<=x)a"}}})  # look-behind: llguidance has none
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(APIError) as info:
+            chat(tok, tools=tools, tool_choice=choice)
+        assert (info.value.status, info.value.param) == (400, "tools")
+        assert "look-behind" in info.value.message or "look-around" in info.value.message
+    assert chat(tok, tools=tools).tool_parser is not None  # auto forces nothing: no check
