@@ -173,7 +173,9 @@ class ChunkFormatter:
         self._tools: dict[int, ToolCallStream] = {}  # choice -> its calls (with tools)
 
     def chunk(self, index: int, text: str, logprobs: Sequence[LogprobEntry] | None = None,
-              finish_reason: str | None = None) -> dict[str, Any]:
+              finish_reason: str | None = None) -> dict[str, Any] | None:
+        """The chunk for one delta of a choice; None when it has nothing to show (its text
+        is tool-call markup held back, and it carries no logprobs)."""
         first = index not in self._sent
         sent = self._sent.get(index, 0)
         if self.req.tool_parser is not None:
@@ -194,9 +196,9 @@ class ChunkFormatter:
 
     def _tool_chunk(self, index: int, first: bool, text: str,
                     logprobs: Sequence[LogprobEntry] | None,
-                    finish_reason: str | None) -> dict[str, Any]:
+                    finish_reason: str | None) -> dict[str, Any] | None:
         """A chat chunk whose text went through the choice's ``ToolCallStream``: content
-        and tool-call deltas, never call markup (may be an empty delta)."""
+        and tool-call deltas, never call markup."""
         stream = self._tools.setdefault(index, ToolCallStream(self.req.tool_parser))
         delta = stream.push(text)
         if finish_reason is not None:
@@ -204,6 +206,8 @@ class ChunkFormatter:
             delta.content += rest.content
             delta.tool_calls += rest.tool_calls
             finish_reason = tool_finish_reason(finish_reason, stream.called)
+        if not (first or delta or logprobs or finish_reason):
+            return None
         self._sent[index] = self._sent.get(index, 0) + len(delta.content)
         return chat_chunk(self.req, index, role="assistant" if first else None,
                           content=delta.content if delta.content or first else None,

@@ -151,7 +151,9 @@ class RequestRun:
         try:
             async for d in self.deltas(request):
                 lps = d.tokens if self.parsed.logprobs_mode else None
-                yield responses.sse(fmt.chunk(d.index, d.text, lps, d.finish_reason))
+                chunk = fmt.chunk(d.index, d.text, lps, d.finish_reason)
+                if chunk is not None:  # None: text held back (tool-call markup)
+                    yield responses.sse(chunk)
             usage = fmt.usage_chunk(self._usage())
             if usage is not None:
                 yield responses.sse(usage)
