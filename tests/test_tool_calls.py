@@ -724,3 +724,12 @@ def test_a_schema_the_grammar_compiler_refuses_is_a_400_on_tools(tok):
         assert (info.value.status, info.value.param) == (400, "tools")
         assert "look-behind" in info.value.message or "look-around" in info.value.message
     assert chat(tok, tools=tools).tool_parser is not None  # auto forces nothing: no check
+
+
+def test_a_forced_call_with_response_format_is_a_400(tok):
+    pytest.importorskip("services.gateway.structured", reason="comes with response_format")
+    with pytest.raises(APIError) as info:
+        chat(tok, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert (info.value.status, info.value.param) == (400, "tool_choice")
+    auto = chat(tok, tools=TOOLS, response_format={"type": "json_object"})
+    assert auto.params.structured.kind is StructuredKind.JSON_OBJECT  # auto: the format rules
