@@ -24,25 +24,25 @@ every streamed fragment is a piece of the final string.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-_ARGUMENT_KEYS = ("arguments", "parameters")
-_INTERESTING = re.compile(r'["{}\[\]]')
-_STRING_BODY = re.compile(r'(?:[^"\\]|\\.)*"', re.DOTALL)
-_PRIMITIVE = re.compile(r'[^,}\]\s;]*')
-_SPACE = re.compile(r"\s*")
+from services.gateway.tool_scan import (
+    CallScan,
+    CallText,
+    held_back,
+    loads,
+    partial_calls,
+    scan_object,
+    scan_sequence,
+    skip_space,
+    valid_call,
+)
 
-
-@dataclass(frozen=True, slots=True)
-class CallText:
-    """One call as the model wrote it: its name, and its arguments' JSON text so far."""
-
-    name: str
-    arguments: str
-    complete: bool = False
+__all__ = ["CallText", "ToolParse", "ToolParser", "RenderingParser", "PARSERS", "DEFAULT_PARSER",
+           "HermesParser", "Llama3JsonParser", "NamedParser", "RequiredParser", "plain",
+           "rendering_parser"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,167 +73,6 @@ class RenderingParser(ToolParser, Protocol):
     def render_calls(self, calls: Sequence[tuple[str, Any]]) -> str: ...
 
 
-# ---- a tolerant JSON scanner: where values end, without judging them -----------------
-
-def _string_end(text: str, i: int) -> int | None:
-    """Past the string starting with the quote at ``i``; None when the text ends first."""
-    m = _STRING_BODY.match(text, i + 1)
-    return m.end() if m else None
-
-
-def _value_end(text: str, i: int) -> int | None:
-    """Past the JSON value starting at ``i``; None when the text ends before it does."""
-    c = text[i]
-    if c == '"':
-        return _string_end(text, i)
-    if c not in "{[":
-        end = _PRIMITIVE.match(text, i).end()
-        return end if end < len(text) else None  # "12" may still become "123"
-    depth, j = 0, i
-    while (m := _INTERESTING.search(text, j)) is not None:
-        j = m.start()
-        if text[j] == '"':
-            end = _string_end(text, j)
-            if end is None:
-                return None
-            j = end
-            continue
-        depth += 1 if text[j] in "{[" else -1
-        j += 1
-        if depth == 0:
-            return j
-    return None
-
-
-def _skip(text: str, i: int) -> int:
-    return _SPACE.match(text, i).end()
-
-
-@dataclass(slots=True)
-class _Scan:
-    """What is known of one call object starting at ``start``."""
-
-    start: int
-    name: str | None = None
-    args_start: int | None = None
-    args_end: int | None = None
-    end: int | None = None  # past the closing brace, once the object is whole
-    bad: bool = False  # not the shape of a call (or not JSON): no call here
-
-    def text(self, src: str) -> CallText | None:
-        """The call so far, once its name is known and its arguments object has begun."""
-        if self.bad or self.name is None or self.args_start is None:
-            return None
-        return CallText(self.name, src[self.args_start:self.args_end], self.end is not None)
-
-
-def _scan_object(text: str, start: int) -> _Scan:
-    """The top level of the call object at ``start`` (which holds ``{``)."""
-    scan, i = _Scan(start), _skip(text, start + 1)
-    while i < len(text):
-        if text[i] == "}":
-            scan.end = i + 1
-            return scan
-        if text[i] != '"':
-            scan.bad = True
-            return scan
-        key_end = _string_end(text, i)
-        if key_end is None:
-            return scan
-        key = text[i + 1:key_end - 1]
-        i = _skip(text, key_end)
-        if i >= len(text):
-            return scan
-        if text[i] != ":":
-            scan.bad = True
-            return scan
-        i = _skip(text, i + 1)
-        if i >= len(text):
-            return scan
-        value_end = _value_end(text, i)
-        if key == "name" and scan.name is None:
-            if text[i] != '"':
-                scan.bad = True
-                return scan
-            if value_end is not None:
-                scan.name = _loads(text[i:value_end])
-        elif key in _ARGUMENT_KEYS and scan.args_start is None:
-            if text[i] != "{":
-                scan.bad = True
-                return scan
-            scan.args_start, scan.args_end = i, value_end
-        if value_end is None:
-            return scan
-        i = _skip(text, value_end)
-        if i < len(text) and text[i] == ",":
-            i = _skip(text, i + 1)
-        elif i < len(text) and text[i] != "}":
-            scan.bad = True
-            return scan
-    return scan
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _valid(scan: _Scan, src: str) -> CallText | None:
-    """The finished call, when the object is JSON of the shape {name, arguments: {...}}."""
-    if scan.bad or scan.end is None or scan.args_end is None or not isinstance(scan.name, str):
-        return None
-    whole = _loads(src[scan.start:scan.end])
-    args = _loads(src[scan.args_start:scan.args_end])
-    if not isinstance(whole, dict) or not isinstance(args, dict):
-        return None
-    return CallText(scan.name, src[scan.args_start:scan.args_end], True)
-
-
-def _scan_sequence(text: str, i: int, sep: str, close: str | None) -> tuple[list[_Scan], int | None]:
-    """Call objects from ``i`` on, separated by ``sep``; also where the sequence ended well
-    (past ``close`` when given, else past the last object), None when it did not (yet)."""
-    scans: list[_Scan] = []
-    while True:
-        i = _skip(text, i)
-        if i >= len(text):
-            return scans, None
-        if text[i] != "{":
-            return scans, None
-        scan = _scan_object(text, i)
-        scans.append(scan)
-        if scan.end is None or scan.bad:
-            return scans, None
-        i = _skip(text, scan.end)
-        if i < len(text) and text[i] == sep:
-            i += 1
-            continue
-        if close is None:
-            return scans, i
-        return scans, (i + 1 if text.startswith(close, i) else None)
-
-
-def _held(text: str, marker: str) -> str:
-    """``text`` less any ending that could be the start of ``marker``, less trailing space."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            text = text[:-k]
-            break
-    return text.rstrip()
-
-
-def _partial_calls(scans: list[_Scan], text: str) -> tuple[CallText, ...]:
-    """The calls begun, stopping at the first one not yet shown (calls stream in order)."""
-    out = []
-    for scan in scans:
-        call = scan.text(text)
-        if call is None:
-            break
-        out.append(call)
-    return tuple(out)
-
-
 # ---- the parsers -----------------------------------------------------------------------
 
 class HermesParser:
@@ -255,21 +94,21 @@ class HermesParser:
         return "\n".join(f"{self.OPEN}\n{_call_json(n, a, 'arguments')}\n{self.CLOSE}"
                          for n, a in calls)
 
-    def _blocks(self, text: str) -> tuple[list[_Scan], bool]:
+    def _blocks(self, text: str) -> tuple[list[CallScan], bool]:
         """The block's call objects, and whether every block is whole and well formed."""
         scans, i = [], text.find(self.OPEN)
         while i >= 0:
-            j = _skip(text, i + len(self.OPEN))
+            j = skip_space(text, i + len(self.OPEN))
             if j >= len(text):
                 return scans, False
             if text[j] != "{":
-                scans.append(_Scan(j, bad=True))
+                scans.append(CallScan(j, bad=True))
                 return scans, False
-            scan = _scan_object(text, j)
+            scan = scan_object(text, j)
             scans.append(scan)
             if scan.end is None or scan.bad:
                 return scans, False
-            k = _skip(text, scan.end)
+            k = skip_space(text, scan.end)
             if not text.startswith(self.CLOSE, k):
                 return scans, text[k:].strip() == ""  # unclosed last block
             i = text.find(self.OPEN, k + len(self.CLOSE))
@@ -280,7 +119,7 @@ class HermesParser:
         if start < 0:
             return plain(text)
         scans, whole = self._blocks(text)
-        calls = [_valid(s, text) for s in scans]
+        calls = [valid_call(s, text) for s in scans]
         if not whole or not calls or any(c is None for c in calls):
             return plain(text)
         return ToolParse(text[:start].rstrip() or None, tuple(calls))
@@ -288,9 +127,9 @@ class HermesParser:
     def partial(self, text: str) -> ToolParse:
         start = text.find(self.OPEN)
         if start < 0:
-            return ToolParse(_held(text, self.OPEN))
+            return ToolParse(held_back(text, self.OPEN))
         scans, _ = self._blocks(text)
-        return ToolParse(text[:start].rstrip(), _partial_calls(scans, text))
+        return ToolParse(text[:start].rstrip(), partial_calls(scans, text))
 
 
 class Llama3JsonParser:
@@ -312,15 +151,15 @@ class Llama3JsonParser:
         tag = text.find(self.TAG)
         if tag >= 0:
             return tag, tag + len(self.TAG)
-        first = _skip(text, 0)
+        first = skip_space(text, 0)
         return (0, first) if text.startswith("{", first) else None
 
     def parse(self, text: str) -> ToolParse:
         where = self._start(text)
         if where is None:
             return plain(text)
-        scans, end = _scan_sequence(text, where[1], ";", None)
-        calls = [_valid(s, text) for s in scans]
+        scans, end = scan_sequence(text, where[1], ";", None)
+        calls = [valid_call(s, text) for s in scans]
         if end is None or text[end:].strip() or not calls or any(c is None for c in calls):
             return plain(text)
         return ToolParse(text[:where[0]].rstrip() or None, tuple(calls))
@@ -328,9 +167,9 @@ class Llama3JsonParser:
     def partial(self, text: str) -> ToolParse:
         where = self._start(text)
         if where is None:
-            return ToolParse(_held(text, self.TAG))
-        scans, _ = _scan_sequence(text, where[1], ";", None)
-        return ToolParse(text[:where[0]].rstrip(), _partial_calls(scans, text))
+            return ToolParse(held_back(text, self.TAG))
+        scans, _ = scan_sequence(text, where[1], ";", None)
+        return ToolParse(text[:where[0]].rstrip(), partial_calls(scans, text))
 
 
 class NamedParser:
@@ -342,7 +181,7 @@ class NamedParser:
 
     def parse(self, text: str) -> ToolParse:
         args = text.strip()
-        if not isinstance(_loads(args), dict):
+        if not isinstance(loads(args), dict):
             return plain(text)
         return ToolParse(None, (CallText(self.function, args, True),))
 
@@ -359,21 +198,21 @@ class RequiredParser:
     name = "required"
 
     def parse(self, text: str) -> ToolParse:
-        start = _skip(text, 0)
+        start = skip_space(text, 0)
         if not text.startswith("[", start):
             return plain(text)
-        scans, end = _scan_sequence(text, start + 1, ",", "]")
-        calls = [_valid(s, text) for s in scans]
+        scans, end = scan_sequence(text, start + 1, ",", "]")
+        calls = [valid_call(s, text) for s in scans]
         if end is None or text[end:].strip() or not calls or any(c is None for c in calls):
             return plain(text)
         return ToolParse(None, tuple(calls))
 
     def partial(self, text: str) -> ToolParse:
-        start = _skip(text, 0)
+        start = skip_space(text, 0)
         if not text.startswith("[", start):
             return ToolParse("")
-        scans, _ = _scan_sequence(text, start + 1, ",", "]")
-        return ToolParse("", _partial_calls(scans, text))
+        scans, _ = scan_sequence(text, start + 1, ",", "]")
+        return ToolParse("", partial_calls(scans, text))
 
 
 def _call_json(name: str, arguments: Any, key: str) -> str:
