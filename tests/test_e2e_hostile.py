@@ -1,5 +1,5 @@
 """Hostile input against a real cluster: schemathesis explores the gateway's published
-OpenAPI request schemas (no 5xx, answers as documented, the connection and the server
+OpenAPI request schemas (the generation routes, /v1/responses, /tokenize, /detokenize) (no 5xx, answers as documented, the connection and the server
 stay up), and random and malformed msgpack frames go to the gateway's token socket (each
 dropped, and the gateway keeps serving)."""
 
@@ -51,10 +51,16 @@ def small(schema: dict) -> dict:
         fields["n"] = {"type": "integer", "minimum": 1, "maximum": TEST_MAX_N}
         fields.pop("best_of", None)  # only equal to n: nothing more to explore
         body["required"] = [*body["required"], "max_tokens"]
+    responses = doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]
+    body = responses["application/json"]["schema"]
+    body["properties"]["max_output_tokens"] = {"type": "integer", "minimum": 1,
+                                               "maximum": TEST_MAX_TOKENS}
+    body["required"] = [*body["required"], "max_output_tokens"]
     return doc
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                  "/tokenize", "/detokenize"])
 def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(cluster, path):
     schemathesis = require_module("schemathesis")
     import requests  # schemathesis calls through a requests session

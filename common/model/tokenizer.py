@@ -41,9 +41,9 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt: special tokens (BOS) added as the model expects."""
-        return self.hf.encode(text, add_special_tokens=True)
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     @property
     def template_supports_tools(self) -> bool:
@@ -52,7 +52,8 @@ class Tokenizer:
         return isinstance(template, str) and "tools" in template
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True,
+                            add_generation_prompt: bool = True, *,
+                            add_special_tokens: bool = False,
                             tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         if not self.hf.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
@@ -62,8 +63,8 @@ class Tokenizer:
                                                tools=list(tools) if tools else None)
         except Exception as e:  # jinja raises on messages the template cannot render
             raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
-        # The template writes BOS itself where the model wants one.
-        return self.hf.encode(text, add_special_tokens=False)
+        # The template writes BOS itself where the model wants one (hence the default).
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -3,8 +3,10 @@
 One request's path: parse and validate (``parsing``) → submit to the router and wait
 for admission (429/503 with ``Retry-After`` when refused) → gather tokens from whichever
 workers produce them (``ResponseAssembler`` orders, detokenizes and applies stop strings) →
-answer as JSON or as server-sent events (``responses``). A client that goes away, a stop
-string, or a timeout aborts the request on every service, so its KV blocks are freed.
+answer as JSON or as server-sent events (``responses``); ``generation`` holds those steps
+for every generation route (chat, completions, and ``responses_api``'s /v1/responses). A
+client that goes away, a stop string, or a timeout aborts the request on every service,
+so its KV blocks are freed. ``extras`` serves the small endpoints (/tokenize, ...).
 Every error body, and the API key, are ``guards``' business; shutting down without
 cutting a stream is ``drain``'s (SIGTERM: new requests get 503, ``/ready`` 503, open
 ones finish).
@@ -12,37 +14,29 @@ ones finish).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.requests import ClientDisconnect
 
 from common.metrics import RequestMetrics
 from common.model.loader import resolve_model
 from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
-from common.protocol import Rejected, Tokens
-from services.gateway import openapi, responses
-from services.gateway.assembler import ResponseAssembler
-from services.gateway.disconnect import ClientGone, ClientWatch
+from services.gateway import extras, generation, openapi, responses, responses_api
 from services.gateway.drain import GatewayDrain, OpenRequests
 from services.gateway.errors import APIError
-from services.gateway.guards import install_guards, read_body
-from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion, parse_json
-from services.gateway.router_link import RouterLink, RouterUnavailable
-from services.gateway.run import RequestRun
+from services.gateway.guards import install_guards
+from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion
+from services.gateway.router_link import RouterLink
 from services.gateway.settings import GatewaySettings
 from services.timeouts import check_admission
 
 log = logging.getLogger("tandem.gateway")
-ROUTER_RETRY_AFTER = 2.0  # seconds a client waits before retrying while the router is away
-DRAIN_RETRY_AFTER = 1.0  # a draining gateway's clients retry (another gateway) at once
 
 
 class Gateway:
@@ -149,6 +143,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await handle(gw, request, "completion")
 
+    extras.install(app, gw)  # /tokenize, /detokenize, /version, /v1/models/{id}
+    responses_api.install(app, gw)  # /v1/responses
     return app
 
 
@@ -159,46 +155,13 @@ def error_response(gw: Gateway, e: APIError) -> JSONResponse:
 
 
 async def handle(gw: Gateway, request: Request, kind: str) -> Response:
-    if gw.drain.draining:
-        raise APIError.unavailable("the server is shutting down: retry the request",
-                                   retry_after=DRAIN_RETRY_AFTER)
-    try:
-        raw = await read_body(request)
-    except ClientDisconnect:  # gone before its body arrived: nothing to abort upstream
-        gw.metrics.success.labels("abort").inc()
-        return Response(status_code=204)  # nobody reads it
-    parsed = gw.parse(kind, parse_json(raw))
-    watch = ClientWatch(request.receive)  # from here on a client that leaves is seen at once
-    try:
-        channel = await watch.race(admit(gw, parsed))
-    except ClientGone:  # left while queued: the router must forget the request
-        watch.close()
-        gw.metrics.success.labels("abort").inc()
-        await asyncio.shield(gw.link.abort(parsed.request_id))
-        return Response(status_code=204)  # nobody reads it
-    except BaseException:
-        watch.close()
-        raise
-    assembler = ResponseAssembler(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
-    run = RequestRun(gw, parsed, assembler, channel, watch)
+    body = await generation.read_json(gw, request)
+    if generation.client_left(body):
+        return generation.nobody()
+    parsed = gw.parse(kind, body)
+    run = await generation.start_run(gw, request, parsed)
+    if run is None:
+        return generation.nobody()
     if parsed.stream:
-        gw.http_requests.labels("200").inc()
-        return StreamingResponse(run.sse(request), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    body = await run.collect(request)
-    gw.http_requests.labels("200").inc()
-    return JSONResponse(body)
-
-
-async def admit(gw: Gateway, parsed: ParsedRequest) -> asyncio.Queue[Tokens]:
-    try:
-        admission = await gw.link.submit(parsed.request_id, parsed.prompt_token_ids,
-                                         parsed.params, gw.settings.admission_timeout)
-    except RouterUnavailable as e:
-        raise APIError.unavailable(f"the service is not available: {e}",
-                                   retry_after=ROUTER_RETRY_AFTER) from None
-    refused = admission.verdict
-    if isinstance(refused, Rejected):
-        raise APIError(refused.status, refused.reason, retry_after=refused.retry_after,
-                       code="rate_limit_exceeded" if refused.status == 429 else None)
-    return admission.channel
+        return generation.event_stream(gw, run.sse(request))
+    return generation.answer(gw, await run.collect(request))

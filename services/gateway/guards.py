@@ -38,6 +38,12 @@ def install_guards(app: FastAPI, api_key: str | None, respond: Respond) -> None:
 
     async def http_error(request: Request, e: HTTPException) -> Response:
         message = e.detail if isinstance(e.detail, str) else "the request cannot be served"
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:  # no such route: OpenAI's words for it
+            message = f"Invalid URL ({where})"
+        elif e.status_code == 405:
+            allowed = (e.headers or {}).get("Allow", "")
+            message = f"Method Not Allowed ({where}); this route takes {allowed}"
         response = respond(APIError(e.status_code, message))
         response.headers.update(e.headers or {})  # 405 says which methods are allowed
         return response

@@ -1,4 +1,5 @@
-"""The OpenAPI description of the two generation routes: what ``parsing`` accepts.
+"""The OpenAPI description of the routes that read a body: what ``parsing`` accepts (the
+two generation routes), and ``extras``' and ``responses_api``'s bodies and answers.
 
 The routes read their bodies themselves (so that every bad body becomes an OpenAI error,
 see ``parsing``), which leaves FastAPI nothing to describe; these JSON schemas say what
@@ -176,3 +177,89 @@ def operation(request: Schema, kind: str) -> Schema:
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": request}}},
             "responses": _responses(kind)}
+
+
+# ---- the small endpoints (``extras``) and /v1/responses (``responses_api``) ---------------
+
+def _answers(ok: Schema, statuses: tuple[str, ...], streams: bool = False) -> Schema:
+    content: Schema = {"application/json": {"schema": ok}}
+    if streams:
+        content["text/event-stream"] = {"schema": _SSE_EVENT}
+    out: Schema = {"200": {"description": "the answer", "content": content}}
+    for status in statuses:
+        out[status] = {"description": _ERRORS.get(status, "the request cannot be served"),
+                       "content": {"application/json": {"schema": _ERROR}}}
+        if status in ("429", "503"):
+            out[status]["headers"] = _RETRY_AFTER
+    return out
+
+
+def _body_operation(request: Schema, ok: Schema, statuses: tuple[str, ...],
+                    streams: bool = False) -> Schema:
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": request}}},
+            "responses": _answers(ok, statuses, streams)}
+
+
+def simple_operation(ok: Schema) -> Schema:
+    """A GET route's answers: its body, or an error."""
+    return {"responses": _answers(ok, ("401", "404", "500"))}
+
+
+VERSION: Schema = {"type": "object", "required": ["version"],
+                   "properties": {"version": {"type": "string"}}}
+MODEL: Schema = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                 "properties": {"id": {"type": "string"}, "object": {"enum": ["model"]},
+                                "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                                "max_model_len": {"type": "integer"}}}
+_TOKENIZED: Schema = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"],
+                      "properties": {"count": {"type": "integer", "minimum": 0},
+                                     "max_model_len": {"type": "integer"},
+                                     "tokens": {"type": "array", "items": {"type": "integer"}},
+                                     "token_strs": {"type": ["array", "null"],
+                                                    "items": {"type": "string"}}}}
+_SMALL_ERRORS = ("400", "401", "404", "413", "500")
+
+
+def tokenize_operation(model: str, vocab_size: int) -> Schema:
+    """vLLM's two /tokenize bodies: a completions prompt, or chat messages."""
+    common = {"model": _common_fields(model, vocab_size)["model"],
+              "add_special_tokens": _boolean(), "return_token_strs": _boolean()}
+    prompt = {"type": "object", "required": ["prompt"],
+              "properties": {"prompt": {"type": "string"}, **common}}
+    messages = chat_request(model, vocab_size)["properties"]["messages"]
+    chat = {"type": "object", "required": ["messages"],
+            "properties": {"messages": messages, "add_generation_prompt": _boolean(), **common}}
+    return _body_operation({"oneOf": [prompt, chat]}, _TOKENIZED, _SMALL_ERRORS)
+
+
+def detokenize_operation(model: str, vocab_size: int) -> Schema:
+    request = {"type": "object", "required": ["tokens"],
+               "properties": {"model": _common_fields(model, vocab_size)["model"],
+                              "tokens": _token_ids(vocab_size, 0)}}
+    ok = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+    return _body_operation(request, ok, _SMALL_ERRORS)
+
+
+def responses_operation(model: str, vocab_size: int, roles: tuple[str, ...],
+                        parts: tuple[str, ...]) -> Schema:
+    """The stateless /v1/responses subset ``responses_api`` serves."""
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"enum": list(parts)}, "text": {"type": "string"}}}
+    item = {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"enum": ["message"]}, "role": {"enum": list(roles)},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+    fields = _common_fields(model, vocab_size)
+    request = {"type": "object", "required": ["input"], "properties": {
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": item}]},
+        "instructions": _nullable({"type": "string"}),
+        "max_output_tokens": _integer(1),
+        **{k: fields[k] for k in ("model", "stream", "temperature", "top_p", "user")},
+        "store": _nullable({"enum": [False]}),
+        "metadata": _nullable({"type": "object", "additionalProperties": {"type": "string"}}),
+    }}
+    ok = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
+          "properties": {"object": {"enum": ["response"]},
+                         "status": {"enum": ["completed", "incomplete"]},
+                         "output": {"type": "array"}}}
+    return _body_operation(request, ok, tuple(_ERRORS), streams=True)

@@ -13,8 +13,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from common.protocol import Rejected, Tokens
 from services.gateway import responses
@@ -31,6 +31,43 @@ if TYPE_CHECKING:
     from services.gateway.app import Gateway
 
 log = logging.getLogger("tandem.gateway")
+# A full response body from the request, its finished choices and its usage.
+BuildBody = Callable[[ParsedRequest, Sequence[responses.ChoiceResult], dict], dict]
+
+
+class StreamFormat(Protocol):
+    """How one stream's server-sent events are written (chat and completions chunks, or
+    the Responses API's events). Each method returns the events to send, in order."""
+
+    def start(self) -> Iterable[bytes]: ...  # before the first token
+
+    def delta(self, d: ChoiceDelta) -> Iterable[bytes]: ...
+
+    def end(self, usage: dict[str, Any]) -> Iterable[bytes]: ...  # after the last token
+
+    def error(self, e: APIError) -> Iterable[bytes]: ...  # the request failed mid-stream
+
+
+class ChunkStream:
+    """Chat and completions streams: a chunk per delta, usage if asked, then [DONE]."""
+
+    def __init__(self, parsed: ParsedRequest) -> None:
+        self.parsed, self.fmt = parsed, responses.ChunkFormatter(parsed)
+
+    def start(self) -> Iterable[bytes]:
+        return ()
+
+    def delta(self, d: ChoiceDelta) -> Iterable[bytes]:
+        lps = d.tokens if self.parsed.logprobs_mode else None
+        chunk = self.fmt.chunk(d.index, d.text, lps, d.finish_reason)
+        return () if chunk is None else (responses.sse(chunk),)  # None: tool-call markup held
+
+    def end(self, usage: dict[str, Any]) -> Iterable[bytes]:
+        chunk = self.fmt.usage_chunk(usage)
+        return (responses.SSE_DONE,) if chunk is None else (responses.sse(chunk), responses.SSE_DONE)
+
+    def error(self, e: APIError) -> Iterable[bytes]:
+        return (responses.sse(e.body()), responses.SSE_DONE)
 
 
 class RequestRun:
@@ -121,7 +158,8 @@ class RequestRun:
         if delta.finish_reason is not None and msg.finish_reason is None:
             self.ended_here = True
 
-    async def collect(self, request: Request) -> dict:
+    async def collect(self, request: Request, build: BuildBody | None = None) -> dict:
+        """The whole answer as one body: ``build`` (chat or completion by default)."""
         texts = {i: [] for i in range(self.parsed.params.n)}
         logprobs = {i: [] for i in range(self.parsed.params.n)}
         reasons: dict[int, str | None] = {}
@@ -142,27 +180,27 @@ class RequestRun:
         choices = [responses.ChoiceResult(i, "".join(texts[i]), reasons.get(i),
                                     logprobs[i] if self.parsed.logprobs_mode else None)
                    for i in range(self.parsed.params.n)]
-        chat = self.parsed.kind == "chat"
-        build = responses.chat_completion if chat else responses.text_completion
+        if build is None:
+            chat = self.parsed.kind == "chat"
+            build = responses.chat_completion if chat else responses.text_completion
         return build(self.parsed, choices, self._usage())
 
-    async def sse(self, request: Request) -> AsyncIterator[bytes]:
-        fmt = responses.ChunkFormatter(self.parsed)
+    async def sse(self, request: Request, fmt: StreamFormat | None = None) -> AsyncIterator[bytes]:
+        """The answer as server-sent events, written by ``fmt`` (chunks by default)."""
+        fmt = fmt or ChunkStream(self.parsed)
         try:
+            for event in fmt.start():
+                yield event
             async for d in self.deltas(request):
-                lps = d.tokens if self.parsed.logprobs_mode else None
-                chunk = fmt.chunk(d.index, d.text, lps, d.finish_reason)
-                if chunk is not None:  # None: text held back (tool-call markup)
-                    yield responses.sse(chunk)
-            usage = fmt.usage_chunk(self._usage())
-            if usage is not None:
-                yield responses.sse(usage)
-            yield responses.SSE_DONE
+                for event in fmt.delta(d):
+                    yield event
+            for event in fmt.end(self._usage()):
+                yield event
             await self._finish()
         except APIError as e:
             await self._abort()
-            yield responses.sse(e.body())
-            yield responses.SSE_DONE
+            for event in fmt.error(e):
+                yield event
         except ClientGone:  # nobody to tell: end the stream quietly
             await self._abort()
         except BaseException:  # cancelled by the server, or a bug: abort and let it rise
