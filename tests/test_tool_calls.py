@@ -733,3 +733,15 @@ def test_a_forced_call_with_response_format_is_a_400(tok):
     assert (info.value.status, info.value.param) == (400, "tool_choice")
     auto = chat(tok, tools=TOOLS, response_format={"type": "json_object"})
     assert auto.params.structured.kind is StructuredKind.JSON_OBJECT  # auto: the format rules
+
+
+def test_tokenize_counts_a_conversation_with_tools_as_chat_is_charged(scripted, tok):
+    import httpx
+
+    gw, _ = scripted
+    body = {"messages": HISTORY, "tools": TOOLS}
+    r = httpx.post(f"{gw.url}/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == chat(tok, messages=HISTORY, tools=TOOLS).prompt_token_ids
+    bad = httpx.post(f"{gw.url}/tokenize", json={**body, "tools": [{"type": "x"}]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.[0].type"

@@ -229,7 +229,8 @@ def tokenize_operation(model: str, vocab_size: int) -> Schema:
               "properties": {"prompt": {"type": "string"}, **common}}
     messages = chat_request(model, vocab_size)["properties"]["messages"]
     chat = {"type": "object", "required": ["messages"],
-            "properties": {"messages": messages, "add_generation_prompt": _boolean(), **common}}
+            "properties": {"messages": messages, "add_generation_prompt": _boolean(),
+                           "tools": _tool_fields()["tools"], **common}}
     return _body_operation({"oneOf": [prompt, chat]}, _TOKENIZED, _SMALL_ERRORS)
 
 

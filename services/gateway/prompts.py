@@ -25,18 +25,26 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 _UNSUPPORTED_PARTS = ("image_url", "input_audio", "file", "image", "audio", "video")
 
 def chat_prompt(messages: Any, tokenizer: Tokenizer | None, tools: Sequence[Tool] = (),
-                parser: RenderingParser | None = None) -> list[int]:
+                parser: RenderingParser | None = None, **template: bool) -> list[int]:
     """A ``messages`` value (and the ``tools`` it may call) through the chat template, as
-    token ids; ``parser``'s format is the one asked for where the template knows no tools
-    (``tool_prompts``)."""
-    checked = parse_messages(messages)
+    token ids (``render_chat``)."""
+    return render_chat(parse_messages(messages), tokenizer, tools, parser, **template)
+
+
+def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer | None,
+                tools: Sequence[Tool] = (), parser: RenderingParser | None = None,
+                **template: bool) -> list[int]:
+    """Checked messages (``parse_messages``) through the chat template; ``parser``'s format
+    is the one asked for where the template knows no tools (``tool_prompts``).
+    ``template``: ``add_generation_prompt`` and ``add_special_tokens`` for
+    ``Tokenizer.apply_chat_template``."""
     if tokenizer is None:
         raise APIError.invalid("this model has no tokenizer: send the prompt as token ids",
                                "messages")
-    checked, listed = prepare(checked, tools, tokenizer.template_supports_tools,
-                              parser or rendering_parser(DEFAULT_PARSER))
+    messages, listed = prepare(messages, tools, tokenizer.template_supports_tools,
+                               parser or rendering_parser(DEFAULT_PARSER))
     try:
-        return tokenizer.apply_chat_template(checked, tools=listed)
+        return tokenizer.apply_chat_template(messages, tools=listed, **template)
     except ChatTemplateError as e:
         raise APIError.invalid(str(e), "messages") from e
 
