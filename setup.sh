@@ -15,6 +15,9 @@ for arg in "$@"; do
   esac
 done
 
+dev=false
+[ "$extras" = "[bench]" ] || dev=true
+
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
@@ -33,3 +36,12 @@ print("tandem: default model at", resolve_model(None).directory)
 for name, kernel in (("attention", cpu_attention), ("GEMM", cpu_gemm), ("elementwise", cpu_ops)):
     print(f"tandem: CPU {name} kernel", "ready" if kernel.available() else "unavailable (torch fallback)")
 PY
+# --dev: Debian's chromium, for the dashboard's browser test (tests/test_dashboard.py).
+if $dev && ! command -v chromium >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+      || echo "tandem: could not install chromium: tests/test_dashboard.py will be skipped" >&2
+  else
+    echo "tandem: run 'apt-get install chromium' as root for tests/test_dashboard.py" >&2
+  fi
+fi

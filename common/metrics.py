@@ -21,61 +21,159 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                          0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# Tokens per request, and per engine step (vLLM's buckets for the same histograms).
+REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                         50000, 100000)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+MODEL = "model_name"  # the label every request and engine metric carries, as vLLM's do
+
+
+class ByModel:
+    """A labelled metric seen through its ``model_name`` label: ``labels(...)`` takes the
+    other labels only, so a call site reads as it did before the model label existed."""
+
+    def __init__(self, metric, model_name: str) -> None:
+        self._metric, self._model = metric, model_name
+
+    def labels(self, *values: str):
+        return self._metric.labels(self._model, *values)
+
+    def collect(self):
+        """The whole family, every label set (as the metric's own ``collect``)."""
+        return self._metric.collect()
+
+
+def _model_metric(kind, name: str, doc: str, model_name: str, labels: tuple[str, ...] = (),
+                  registry: CollectorRegistry | None = None, **kw):
+    """One metric under ``model_name``: the bound child when it has no other labels, else
+    a ``ByModel`` to pick the other labels from."""
+    metric = kind(name, doc, [MODEL, *labels], registry=registry, **kw)
+    return ByModel(metric, model_name) if labels else metric.labels(model_name)
+
+
+def counter_value(child) -> float:
+    """The running total of one counter child (what a heartbeat reports: prometheus_client
+    keeps it in ``_value``; tests/test_metrics.py pins the behaviour)."""
+    return child._value.get()
 
 
 class RequestMetrics:
-    """Latency histograms, as seen by whoever owns the request's lifetime."""
+    """Latency histograms and token counters, as seen by whoever owns the request's
+    lifetime. Every one carries ``model_name``."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between output tokens",
-                             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Request latency",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated", registry=r)
-        self.success = Counter("tandem:request_success", "Finished requests",
-                               ["finished_reason"], registry=r)
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def metric(kind, name, doc, labels=(), **kw):
+            return _model_metric(kind, name, doc, model_name, labels, registry, **kw)
+
+        self.model_name = model_name
+        self.ttft = metric(Histogram, "tandem:time_to_first_token_seconds", "Time to first token",
+                           buckets=LATENCY_BUCKETS)
+        self.itl = metric(Histogram, "tandem:inter_token_latency_seconds",
+                          "Time between output tokens", buckets=TOKEN_LATENCY_BUCKETS)
+        self.e2e = metric(Histogram, "tandem:e2e_request_latency_seconds", "Request latency",
+                          buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = metric(Counter, "tandem:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = metric(Counter, "tandem:generation_tokens", "Tokens generated")
+        self.success = metric(Counter, "tandem:request_success", "Finished requests",
+                              ("finished_reason",))
+
+
+class GatewayMetrics(RequestMetrics):
+    """What the gateway sees of each whole request (vLLM's request-level histograms): its
+    phases from admission to the last token, and its sizes. Workers see only their part of
+    a disaggregated request, so these live here alone."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        super().__init__(registry, model_name)
+
+        def metric(kind, name, doc, **kw):
+            return _model_metric(kind, name, doc, model_name, registry=registry, **kw)
+
+        self.tpot = metric(Histogram, "tandem:time_per_output_token_seconds",
+                           "Mean time per output token after the first, per request",
+                           buckets=TOKEN_LATENCY_BUCKETS)
+        self.prefill_time = metric(Histogram, "tandem:request_prefill_time_seconds",
+                                   "Admission to the first token (prefill)", buckets=LATENCY_BUCKETS)
+        self.decode_time = metric(Histogram, "tandem:request_decode_time_seconds",
+                                  "First token to the last (decode, and the KV transfer before "
+                                  "it when disaggregated)", buckets=LATENCY_BUCKETS)
+        self.request_prompt_tokens = metric(Histogram, "tandem:request_prompt_tokens",
+                                            "Prompt tokens per request", buckets=REQUEST_TOKEN_BUCKETS)
+        self.request_generation_tokens = metric(Histogram, "tandem:request_generation_tokens",
+                                                "Generated tokens per request (all choices)",
+                                                buckets=REQUEST_TOKEN_BUCKETS)
+
+    def observe_request(self, phases: RequestPhases) -> None:
+        """One finished request: its sizes and phase histograms."""
+        self.request_prompt_tokens.observe(phases.prompt_tokens)
+        self.request_generation_tokens.observe(phases.generation_tokens)
+        if phases.first_token is None:
+            return
+        self.prefill_time.observe(phases.first_token - phases.admitted)
+        self.decode_time.observe(phases.finished - phases.first_token)
+        if phases.generation_tokens > 1:
+            self.tpot.observe((phases.finished - phases.first_token)
+                              / (phases.generation_tokens - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPhases:
+    """When a request was admitted, produced its first token and finished (one clock), and
+    its sizes: what ``GatewayMetrics.observe_request`` records."""
+
+    admitted: float
+    first_token: float | None  # None: it ended before any token
+    finished: float
+    prompt_tokens: int
+    generation_tokens: int
 
 
 class EngineMetrics(RequestMetrics):
     """What a worker's engine reports."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        super().__init__(registry)
-        r = registry
-        self.running = Gauge("tandem:num_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("tandem:num_requests_waiting", "Requests waiting to run", registry=r)
-        self.kv_usage = Gauge("tandem:kv_cache_usage_perc",
-                              "Fraction of KV blocks held by requests (1 = full)", registry=r)
-        self.prefix_queries = Counter("tandem:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_hits = Counter("tandem:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache", registry=r)
-        self.preemptions = Counter("tandem:num_preemptions", "Sequences preempted", registry=r)
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        super().__init__(registry, model_name)
+
+        def metric(kind, name, doc, labels=(), **kw):
+            return _model_metric(kind, name, doc, model_name, labels, registry, **kw)
+
+        self.running = metric(Gauge, "tandem:num_requests_running", "Requests in the running batch")
+        self.waiting = metric(Gauge, "tandem:num_requests_waiting", "Requests waiting to run")
+        self.kv_usage = metric(Gauge, "tandem:kv_cache_usage_perc",
+                               "Fraction of KV blocks held by requests (1 = full)")
+        self.iteration_tokens = metric(Histogram, "tandem:iteration_tokens_total",
+                                       "Tokens computed per engine step",
+                                       buckets=ITERATION_TOKEN_BUCKETS)
+        self.prefix_queries = metric(Counter, "tandem:prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = metric(Counter, "tandem:prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache")
+        self.preemptions = metric(Counter, "tandem:num_preemptions", "Sequences preempted")
         # Acceptance rate = rate(accepted) / rate(draft), as with vLLM's counters.
-        self.spec_draft_tokens = Counter("tandem:spec_decode_num_draft_tokens",
-                                         "Speculative draft tokens verified", registry=r)
-        self.spec_accepted_tokens = Counter("tandem:spec_decode_num_accepted_tokens",
-                                            "Speculative draft tokens accepted", registry=r)
-        self.kv_bytes = Counter("tandem:kv_transfer_bytes", "KV bytes shipped or received",
-                                ["direction"], registry=r)
-        self.kv_received = Counter("tandem:kv_transfers_received", "KV transfers taken in, by "
-                                   "how their blocks came: shm (borrowed from a same-host "
-                                   "sender's memory) or the receiver's transport (tcp, ipc, ucx)",
-                                   ["via"], registry=r)
-        self.kv_seconds = Histogram("tandem:kv_transfer_seconds",
-                                    "Send to ack of one KV transfer", buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_pieces = Counter("tandem:kv_stream_pieces", "KV stream pieces (non-final "
-                                 "transfers of a prompt shipped chunk by chunk) sent or received",
-                                 ["direction"], registry=r)
-        self.kv_failures = Counter("tandem:kv_transfer_failures", "KV transfers that failed",
-                                   ["reason"], registry=r)
-        self.handler_errors = Counter("tandem:worker_handler_errors",
-                                      "Messages or requests whose handling failed (the worker "
-                                      "went on)", ["handler"], registry=r)
+        self.spec_draft_tokens = metric(Counter, "tandem:spec_decode_num_draft_tokens",
+                                        "Speculative draft tokens verified")
+        self.spec_accepted_tokens = metric(Counter, "tandem:spec_decode_num_accepted_tokens",
+                                           "Speculative draft tokens accepted")
+        self.kv_bytes = metric(Counter, "tandem:kv_transfer_bytes", "KV bytes shipped or received",
+                               ("direction",))
+        self.kv_received = metric(Counter, "tandem:kv_transfers_received", "KV transfers taken "
+                                  "in, by how their blocks came: shm (borrowed from a same-host "
+                                  "sender's memory) or the receiver's transport (tcp, ipc, ucx)",
+                                  ("via",))
+        self.kv_seconds = metric(Histogram, "tandem:kv_transfer_seconds",
+                                 "Send to ack of one KV transfer", buckets=LATENCY_BUCKETS)
+        self.kv_pieces = metric(Counter, "tandem:kv_stream_pieces", "KV stream pieces (non-final "
+                                "transfers of a prompt shipped chunk by chunk) sent or received",
+                                ("direction",))
+        self.kv_failures = metric(Counter, "tandem:kv_transfer_failures", "KV transfers that failed",
+                                  ("reason",))
+        self.handler_errors = metric(Counter, "tandem:worker_handler_errors",
+                                     "Messages or requests whose handling failed (the worker "
+                                     "went on)", ("handler",))
+
+    def kv_bytes_total(self, direction: str) -> int:
+        """KV bytes sent (``sent``) or received (``received``) since the worker started."""
+        return int(counter_value(self.kv_bytes.labels(direction)))
 
 
 @dataclass(frozen=True, slots=True)

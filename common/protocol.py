@@ -85,6 +85,50 @@ class Status(Message):
     queue_timeout: float  # the router's; a gateway must wait longer for admission
 
 
+@message("survey")
+@dataclass(frozen=True, slots=True)
+class Survey(Message):
+    """Gateway → router: describe every worker (the gateway's ``/dashboard``)."""
+
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as the router sees it: what it registered, its latest heartbeat, and the
+    router's own charges on it (a record inside ``Roster``)."""
+
+    worker_id: str
+    role: WorkerRole
+    draining: bool
+    heartbeat_age: float  # seconds since the router last heard from it
+    num_running: int
+    num_waiting: int
+    free_blocks: int
+    total_blocks: int
+    outstanding_tokens: int  # prompt tokens placed there, prefill not yet done
+    reserved_blocks: int  # blocks promised to KV on its way there
+    prefix_queries: int  # the heartbeat's totals since the worker started
+    prefix_hits: int
+    kv_bytes_sent: int
+    kv_bytes_received: int
+    step_seconds: float | None
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.free_blocks <= self.total_blocks and self.heartbeat_age >= 0,
+                 "worker_view: inconsistent counts")
+
+
+@message("roster")
+@dataclass(frozen=True, slots=True)
+class Roster(Message):
+    """The router's answer to a ``Survey``: every registered worker, in registration order."""
+
+    nonce: int
+    workers: list[WorkerView]
+    queue_length: int
+
+
 # ---- router -> workers ----------------------------------------------------------------
 
 @message("task", version=3)
@@ -180,13 +224,14 @@ class Register(Message):
                  "register.kv_addr is required exactly for decode-capable workers")
 
 
-@message("heartbeat", version=2)
+@message("heartbeat", version=3)
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
     """Load and speed. The three rates are moving averages, ``None`` before a first sample:
     ``step_seconds`` of the engine's steps (the router's decode choice weighs it), and on a
     prefill worker the seconds per token of prefill and of KV transfer (what conditional
-    disaggregation weighs)."""
+    disaggregation weighs). The four totals count since the worker started (v3; the
+    router passes them on in ``Roster`` for the gateway's ``/dashboard``)."""
 
     worker_id: str
     num_running: int
@@ -196,10 +241,17 @@ class Heartbeat(Message):
     step_seconds: float | None = None
     prefill_s_per_token: float | None = None
     transfer_s_per_token: float | None = None
+    prefix_queries: int = 0  # prompt tokens looked up in its prefix cache
+    prefix_hits: int = 0  # of those, found there
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
 
     def __post_init__(self) -> None:
         _require(min(self.num_running, self.num_waiting, self.free_blocks) >= 0
                  and self.free_blocks <= self.total_blocks, "heartbeat: inconsistent counts")
+        _require(0 <= self.prefix_hits <= self.prefix_queries
+                 and min(self.kv_bytes_sent, self.kv_bytes_received) >= 0,
+                 "heartbeat: inconsistent totals")
         for rate in (self.step_seconds, self.prefill_s_per_token, self.transfer_s_per_token):
             _require(rate is None or 0 <= rate < float("inf"),
                      "heartbeat: a rate must be a finite number >= 0")

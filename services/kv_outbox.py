@@ -215,5 +215,6 @@ class KVOutbox:
         text = f"KV transfer failed (attempt {attempt} of {self.outgoing.max_attempts}): {error}"
         log.warning("%s: %s", request_id, text)
         if meta is not None:
-            self._pushers.send(meta.reply_to, Tokens(request_id, 0, 1, [], error=text))
+            self._pushers.send(meta.reply_to, Tokens(request_id, 0, 1, [], error=text,
+                                                     worker_id=self._worker_id))
         self._send_router(Finished(request_id, self._worker_id, FinishStage.PREFILL, error=error))

@@ -85,7 +85,7 @@ class WorkerService:
         self.pushers = GatewayPushers(self._ctx)
         self.clock = RequestClock()
         self._registry = CollectorRegistry()
-        self.metrics = EngineMetrics(self._registry)
+        self.metrics = EngineMetrics(self._registry, engine.loaded.name)
         self.sender = self.receiver = self.outbox = self.inbox = None
         self.rates = WorkRates()
         warn_faults(settings)
@@ -202,6 +202,8 @@ class WorkerService:
         tokens = self.engine.num_computed_tokens - before
         self.rates.observe_step(time.monotonic() - start, tokens,
                                 prefill_only=self.s.role is WorkerRole.PREFILL)
+        if tokens:  # a step that computed nothing (all waiting for blocks) is no iteration
+            self.metrics.iteration_tokens.observe(tokens)
         return updates
 
     def _guarded(self, what: str, request_id: str | None, reply_to: str | None,
@@ -288,7 +290,8 @@ class WorkerService:
         self._register()
 
     def _fail(self, request_id: str, reply_to: str, error: str, retryable: bool = False) -> None:
-        self.pushers.send(reply_to, Tokens(request_id, 0, 0, [], error=error, retryable=retryable))
+        self.pushers.send(reply_to, Tokens(request_id, 0, 0, [], error=error, retryable=retryable,
+                                                  worker_id=self.s.worker_id))
         self._send_router(Finished(request_id, self.s.worker_id, FinishStage.REQUEST, error=error))
         self.metrics.success.labels("error").inc()
 
@@ -307,7 +310,8 @@ class WorkerService:
                 self._send_router(Finished(u.request_id, self.s.worker_id, FinishStage.PREFILL))
             self.pushers.send(meta.reply_to, Tokens(
                 u.request_id, u.choice, u.index, u.token_ids, u.logprobs or None,
-                u.finish_reason, meta.num_prompt_tokens, u.num_cached_tokens))
+                u.finish_reason, meta.num_prompt_tokens, u.num_cached_tokens,
+                worker_id=self.s.worker_id))
             if u.finish_reason is not None:
                 ended.append(u.request_id)
         for request_id in dict.fromkeys(ended):  # a request ends when its last choice does
@@ -384,7 +388,10 @@ class WorkerService:
         r = self.rates
         self.heartbeat.snapshot = Heartbeat(self.s.worker_id, stats.num_running, stats.num_waiting,
                                             stats.num_free_blocks, stats.num_blocks, r.step_seconds,
-                                            r.prefill_s_per_token, r.transfer_s_per_token)
+                                            r.prefill_s_per_token, r.transfer_s_per_token,
+                                            stats.prefix_queries, stats.prefix_hits,
+                                            self.metrics.kv_bytes_total("sent"),
+                                            self.metrics.kv_bytes_total("received"))
         self.heartbeat.last_tick = time.monotonic()
 
     def _update_gauges(self, stats) -> None:

@@ -148,6 +148,8 @@ def test_a_wrong_api_key_is_a_401_on_every_route_but_health(guarded, auth):
             ports.add(local_port(r))
             if path in ("/health", "/ready"):
                 assert r.status_code == 503  # no router: unhealthy, but not a key question
+            elif path == "/dashboard":
+                assert r.status_code == 200  # the page holds no data; its polls need the key
             else:
                 assert assert_openai_error(r, 401)["code"] == "invalid_api_key", (method, path)
     assert len(ports) == 1  # a refused request (its body unread) keeps the connection

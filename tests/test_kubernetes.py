@@ -367,7 +367,7 @@ def worker_metric_names() -> set[str]:
     from common.metrics import EngineMetrics
 
     registry = CollectorRegistry()
-    EngineMetrics(registry)
+    EngineMetrics(registry, "m")
     return {metric.name for metric in registry.collect()}
 
 

@@ -23,17 +23,19 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.metrics import RequestMetrics
+from common.metrics import GatewayMetrics
 from common.model.loader import resolve_model
 from common.model.spec import ModelSpec
 from common.model.tokenizer import Tokenizer
 from services.gateway import extras, generation, openapi, responses, responses_api
+from services.gateway.dashboard import install_dashboard
 from services.gateway.drain import GatewayDrain, OpenRequests
 from services.gateway.errors import APIError
 from services.gateway.guards import install_guards
 from services.gateway.parsing import ParsedRequest, parse_chat, parse_completion
 from services.gateway.router_link import RouterLink
 from services.gateway.settings import GatewaySettings
+from services.gateway.timeline import Timeline
 from services.timeouts import check_admission
 
 log = logging.getLogger("tandem.gateway")
@@ -49,13 +51,14 @@ class Gateway:
         self.tokenizer = Tokenizer(source.directory)
         self.model_name = settings.served_model_name or source.name
         self.registry = CollectorRegistry()
-        self.metrics = RequestMetrics(self.registry)
+        self.metrics = GatewayMetrics(self.registry, self.model_name)
         self.migrations = Counter("tandem:request_migrations", "Requests moved to another "
                                   "worker after theirs died", registry=self.registry)
         self.http_requests = Counter("tandem:http_requests", "HTTP responses", ["status"],
                                      registry=self.registry)
         self.link: RouterLink | None = None
         self.drain = GatewayDrain()
+        self.timeline = Timeline()  # recent requests' phases, for /dashboard
         self.created = int(time.time())
 
     @property
@@ -125,6 +128,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    install_dashboard(app, gw)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

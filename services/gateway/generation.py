@@ -12,6 +12,7 @@ queued) → a ``RequestRun`` whose ``collect`` or ``sse`` the route answers with
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -63,18 +64,22 @@ def client_left(body: Any) -> bool:
 async def start_run(gw: Gateway, request: Request, parsed: ParsedRequest) -> RequestRun | None:
     """Admit the request and set up its run; None when the client left while queued."""
     watch = ClientWatch(request.receive)  # from here on a client that leaves is seen at once
+    trace = gw.timeline.start(parsed.request_id)  # its row on /dashboard
     try:
         channel = await watch.race(admit(gw, parsed))
     except ClientGone:  # left while queued: the router must forget the request
         watch.close()
+        gw.timeline.end(trace, "abort")
         gw.metrics.success.labels("abort").inc()
         await asyncio.shield(gw.link.abort(parsed.request_id))
         return None
     except BaseException:
         watch.close()
+        gw.timeline.end(trace, "rejected")
         raise
+    trace.admitted = time.monotonic()
     assembler = ResponseAssembler(gw.tokenizer, parsed.prompt_token_ids, parsed.params)
-    return RequestRun(gw, parsed, assembler, channel, watch)
+    return RequestRun(gw, parsed, assembler, channel, watch, trace)
 
 
 def event_stream(gw: Gateway, events: AsyncIterator[bytes]) -> StreamingResponse:

@@ -27,7 +27,8 @@ from services.gateway.errors import APIError
 log = logging.getLogger("tandem.gateway")
 
 Respond = Callable[[APIError], Response]  # an APIError as the response that carries it
-OPEN_PATHS = frozenset({"/health", "/ready"})  # probes need no key
+# Probes need no key, nor the dashboard's page (it holds no data: its polls send the key).
+OPEN_PATHS = frozenset({"/health", "/ready", "/dashboard"})
 
 
 def install_guards(app: FastAPI, api_key: str | None, respond: Respond) -> None:

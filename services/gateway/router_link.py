@@ -28,8 +28,10 @@ from common.protocol import (
     ProtocolError,
     Queued,
     Rejected,
+    Roster,
     Status,
     Submit,
+    Survey,
     Tokens,
     decode,
     encode,
@@ -76,6 +78,7 @@ class RouterLink:
         self._admissions: dict[str, asyncio.Future[Message]] = {}
         self._acks: dict[str, asyncio.Future[None]] = {}  # set when the router has the Submit
         self._pings: dict[int, asyncio.Future[Status]] = {}
+        self._surveys: dict[int, asyncio.Future[Roster]] = {}
         self._nonces = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.last_status: Status | None = None
@@ -146,6 +149,20 @@ class RouterLink:
         self.last_status = status
         return status
 
+    async def survey(self, timeout: float = 1.0) -> Roster:
+        """Every worker as the router sees it (``/dashboard``); ``RouterUnavailable`` when
+        the router cannot be reached or does not answer within ``timeout``."""
+        nonce = next(self._nonces)
+        fut = asyncio.get_running_loop().create_future()
+        self._surveys[nonce] = fut
+        try:
+            await self._send(Survey(nonce), grace_ms=min(CONNECT_GRACE_MS, timeout * 1000))
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise RouterUnavailable(f"the router did not answer within {timeout:g} s") from None
+        finally:
+            self._surveys.pop(nonce, None)
+
     async def _deliver(self, submit: Submit, heard: asyncio.Future[None]) -> None:
         """Send ``submit`` until the router acknowledges it (see ACK_S)."""
         loop = asyncio.get_running_loop()
@@ -160,9 +177,9 @@ class RouterLink:
                     raise RouterUnavailable("the router did not acknowledge the request") from None
             log.info("resending %s: the router has not acknowledged it", submit.request_id)
 
-    async def _send(self, msg: Message) -> None:
+    async def _send(self, msg: Message, grace_ms: float = CONNECT_GRACE_MS) -> None:
         """To the router, once connected; the grace covers a connection still being made."""
-        if not await self._router.poll(CONNECT_GRACE_MS, zmq.POLLOUT):
+        if not await self._router.poll(grace_ms, zmq.POLLOUT):
             raise RouterUnavailable("the router is not reachable")
         await self._router.send(encode(msg))
 
@@ -198,7 +215,8 @@ class RouterLink:
             fut = self._admissions.get(msg.request_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-        elif isinstance(msg, Status):
-            fut = self._pings.get(msg.nonce)
+        elif isinstance(msg, Status | Roster):
+            waiting = self._pings if isinstance(msg, Status) else self._surveys
+            fut = waiting.get(msg.nonce)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

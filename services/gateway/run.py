@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from common.metrics import RequestPhases
 from common.protocol import Rejected, Tokens
 from services.gateway import responses
 from services.gateway.assembler import ChoiceDelta, ResponseAssembler
@@ -24,6 +25,7 @@ from services.gateway.errors import APIError
 from services.gateway.parsing import ParsedRequest
 from services.gateway.resume import MOVE_ADMISSION_S, Attempt, continuations
 from services.gateway.router_link import RouterUnavailable
+from services.gateway.timeline import RequestTrace
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -76,17 +78,23 @@ class RequestRun:
     they end."""
 
     def __init__(self, gw: Gateway, parsed: ParsedRequest, assembler: ResponseAssembler,
-                 channel: asyncio.Queue[Tokens], watch: ClientWatch) -> None:
+                 channel: asyncio.Queue[Tokens], watch: ClientWatch,
+                 trace: RequestTrace | None = None) -> None:
         self.gw, self.parsed, self.assembler, self.channel = gw, parsed, assembler, channel
+        self.trace = trace  # its row in the gateway's timeline (/dashboard)
         # The live tries by request id: the original, or the continuations of its choices.
         self.attempts: dict[str, Attempt] = {parsed.request_id: Attempt(parsed.request_id)}
         self.watch = watch
         watch.on_gone = self._abort
         self.ended = False  # finished or aborted: the abort is sent at most once
-        self.start = time.monotonic()
+        # TTFT and e2e count from the Submit, the router's queue included (as vLLM's count
+        # from arrival); the prefill time from admission.
+        self.admitted = time.monotonic()
+        self.start = trace.submitted if trace is not None else self.admitted
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.ended_here = False  # a choice was cut by a stop string: workers must be told
+        self.finish_reason: str | None = None  # the first choice's, for the metrics
 
     async def deltas(self, request: Request) -> AsyncIterator[ChoiceDelta]:
         timeout = self.gw.settings.request_timeout
@@ -100,6 +108,8 @@ class RequestRun:
                 if why_not is None:
                     continue  # the rest comes from other workers
                 raise APIError.unavailable(f"{msg.error} ({why_not})")
+            if self.trace is not None and msg.token_ids:
+                self.trace.saw_tokens(msg.worker_id, len(msg.token_ids), time.monotonic())
             if attempt.choice is not None:  # a continuation: put its tokens back in place
                 msg = dataclasses.replace(msg, choice=attempt.choice,
                                           index=msg.index + attempt.offset)
@@ -157,6 +167,8 @@ class RequestRun:
             self.last_token = now
         if delta.finish_reason is not None and msg.finish_reason is None:
             self.ended_here = True
+        if delta.finish_reason is not None and delta.index == 0:
+            self.finish_reason = delta.finish_reason
 
     async def collect(self, request: Request, build: BuildBody | None = None) -> dict:
         """The whole answer as one body: ``build`` (chat or completion by default)."""
@@ -217,11 +229,17 @@ class RequestRun:
         if self.ended:
             return
         self.ended = True
-        m = self.gw.metrics
-        m.e2e.observe(time.monotonic() - self.start)
+        m, now = self.gw.metrics, time.monotonic()
+        m.e2e.observe(now - self.start)
         m.prompt_tokens.inc(self.assembler.num_prompt_tokens)
         m.generation_tokens.inc(self.assembler.num_completion_tokens)
-        m.success.labels("stop" if self.ended_here else "finished").inc()
+        reason = "stop" if self.ended_here else self.finish_reason or "stop"
+        m.success.labels(reason).inc()
+        m.observe_request(RequestPhases(self.admitted, self.first_token, now,
+                                        self.assembler.num_prompt_tokens,
+                                        self.assembler.num_completion_tokens))
+        if self.trace is not None:
+            self.gw.timeline.end(self.trace, reason)
         if self.ended_here:
             await self._abort_tries(list(self.attempts), "stop string")
         else:
@@ -233,6 +251,8 @@ class RequestRun:
             return
         self.ended = True
         self.gw.metrics.success.labels("abort").inc()
+        if self.trace is not None:
+            self.gw.timeline.end(self.trace, "abort")
         await self._abort_tries(list(self.attempts))
 
     async def _abort_tries(self, request_ids: list[str], reason: str = "client") -> None:

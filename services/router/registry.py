@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.protocol import Heartbeat, Register
+from common.protocol import Heartbeat, Register, WorkerView
 from common.roles import WorkerRole
 
 
@@ -36,6 +36,10 @@ class WorkerInfo:
     prefill_s_per_token: float | None = None  # a prefill worker's measured compute cost
     transfer_s_per_token: float | None = None  # a prefill worker's measured link cost
     draining: bool = False  # shutting down: finishes what it holds, is given nothing new
+    prefix_queries: int = 0  # the heartbeat's totals since the worker started
+    prefix_hits: int = 0
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
 
     @property
     def can_prefill(self) -> bool:
@@ -88,7 +92,18 @@ class Registry:
         info.step_seconds = msg.step_seconds
         info.prefill_s_per_token = msg.prefill_s_per_token
         info.transfer_s_per_token = msg.transfer_s_per_token
+        info.prefix_queries, info.prefix_hits = msg.prefix_queries, msg.prefix_hits
+        info.kv_bytes_sent, info.kv_bytes_received = msg.kv_bytes_sent, msg.kv_bytes_received
         return info
+
+    def views(self, now: float) -> list[WorkerView]:
+        """Every registered worker as a ``Roster`` carries it, in registration order."""
+        return [WorkerView(w.worker_id, w.role, w.draining, max(now - w.last_seen, 0.0),
+                           w.num_running, w.num_waiting, min(w.free_blocks, w.num_blocks),
+                           w.num_blocks, w.outstanding_tokens, w.reserved_blocks,
+                           w.prefix_queries, w.prefix_hits, w.kv_bytes_sent,
+                           w.kv_bytes_received, w.step_seconds)
+                for w in self.workers.values()]
 
     def expire(self, now: float) -> list[WorkerInfo]:
         """Drop workers silent for longer than the timeout; returns them."""

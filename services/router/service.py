@@ -49,8 +49,10 @@ from common.protocol import (
     Registered,
     Rejected,
     Reregister,
+    Roster,
     Status,
     Submit,
+    Survey,
     Task,
     Tokens,
     decode,
@@ -240,6 +242,7 @@ class RouterService:
             Register: self._on_register, Heartbeat: self._on_heartbeat,
             KVEvents: self._on_kv_events, Finished: self._on_finished,
             Draining: self._on_draining, Deregister: self._on_deregister,
+            Survey: self._on_survey,
         }.get(type(msg))
         if handler is None:
             log.warning("unexpected %s from %r", msg.TAG, identity)
@@ -312,6 +315,10 @@ class RouterService:
         await self._send(identity, Status(msg.nonce, len(reg.prefill_workers()), len(reg.decode_workers()),
                                           len(self.queue), reg.max_model_len(),
                                           self.settings.queue_timeout))
+
+    async def _on_survey(self, identity: bytes, msg: Survey) -> None:
+        await self._send(identity, Roster(msg.nonce, self.registry.views(self._clock()),
+                                          len(self.queue)))
 
     async def _on_register(self, identity: bytes, msg: Register) -> None:
         self._declared_dead.pop(msg.worker_id, None)
