@@ -124,6 +124,10 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    default=env("drain_timeout", default_of(G, "drain_timeout"), float),
                    help="on SIGTERM, refuse new requests (503) and give open ones this long "
                         "to finish; a second signal stops at once")
+    p.add_argument("--tool-call-parser", default=env("tool_call_parser",
+                                                     default_of(G, "tool_call_parser")),
+                   help="how tool calls are read out of the model's text (and asked for, "
+                        "where the chat template knows no tools): hermes or llama3_json")
     p.set_defaults(func=run_gateway)
 
 
@@ -208,7 +212,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         advertise_host=advertise_host(args.host, args.advertise_host, args.router),
         api_key=args.api_key, model=args.model, served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, request_timeout=args.request_timeout,
-        admission_timeout=args.admission_timeout, drain_timeout=args.drain_timeout)
+        admission_timeout=args.admission_timeout, drain_timeout=args.drain_timeout,
+        tool_call_parser=args.tool_call_parser)
     serve(create_app(settings), args.host, args.port)  # returns once drained and closed
     _exit_at_once(0)
 

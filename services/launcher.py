@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-affinity", action="store_true",
                    help="pin prefill and decode workers to different CPUs")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--tool-call-parser", default=None,
+                   help="the gateway's tool call parser (hermes, llama3_json)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     add_disagg_flags(p)
     add_timeout_flags(p)
@@ -166,7 +168,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
 
 def _gateway_model_flags(args: argparse.Namespace) -> list[str]:
     out = []
-    for dest in ("model", "served_model_name", "max_model_len"):
+    for dest in ("model", "served_model_name", "max_model_len", "tool_call_parser"):
         if getattr(args, dest) is not None:
             out += [f"--{dest.replace('_', '-')}", str(getattr(args, dest))]
     return out

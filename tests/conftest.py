@@ -63,6 +63,48 @@ def tiny_qwen2_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), smollm2_dir, arch="qwen2")
 
 
+# A Qwen2-style ChatML template that renders tools (written for these tests): the tools in
+# the system turn, calls as <tool_call> blocks, tool results as user turns.
+TOOLS_TEMPLATE = """\
+{%- if tools %}{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- '# Tools\nYou may call these functions, described inside <tools></tools>:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\nWrite each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.' }}
+{{- '<|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant\n' + (message.content or '') }}
+{%- for call in message.tool_calls %}
+{{- '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' }}
+{{- (call.function.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}{{- '<|im_end|>\n' }}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_tools_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    """The tiny Qwen2 with a chat template that renders tools (TOOLS_TEMPLATE)."""
+    import json
+
+    directory = write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-tools"), smollm2_dir,
+                                 arch="qwen2")
+    (directory / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
 # ---- engines and references -----------------------------------------------------------
 
 _LOADED: dict = {}

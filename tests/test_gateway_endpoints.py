@@ -116,7 +116,7 @@ def test_the_served_model_name_is_accepted_and_another_is_a_404(client, served_n
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages.[0].role"),
     ("/tokenize", {"messages": [{"role": "user", "content": 3}]}, "messages.[0].content"),
     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": "no"}, "add_generation_prompt"),
-    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.[0].function"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"prompt": "hi", "model": 3}, "model"),
     ("/detokenize", {}, "tokens"),

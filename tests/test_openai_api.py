@@ -137,8 +137,8 @@ BAD = [
     ("chat", chat(skip_special_tokens=0), 400, "skip_special_tokens", "true or false"),
     ("chat", chat(response_format={"type": "json_object"}), 400, "response_format",
      "not supported"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
-     "not supported"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]), 400,
+     "tools.[0].function.name", "letters, digits"),  # more in test_tool_calls
     ("chat", chat(functions=[{"name": "f"}]), 400, "functions", "not supported"),
     ("chat", chat(logit_bias={"50256": -100}), 400, "logit_bias", "not a token id"),
     ("completion", comp(logit_bias={"49152": 1}), 400, "logit_bias", "vocabulary size 49152"),

@@ -45,14 +45,22 @@ class Tokenizer:
         """A completion prompt: special tokens (BOS) added as the model expects."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    @property
+    def template_supports_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list itself (it mentions them)."""
+        template = self.hf.chat_template
+        return isinstance(template, str) and "tools" in template
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True, *,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         if not self.hf.chat_template:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         try:
             text = self.hf.apply_chat_template(list(messages), tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+                                               add_generation_prompt=add_generation_prompt,
+                                               tools=list(tools) if tools else None)
         except Exception as e:  # jinja raises on messages the template cannot render
             raise ChatTemplateError(f"the chat template rejected these messages: {e}") from e
         # The template writes BOS itself where the model wants one (hence the default).

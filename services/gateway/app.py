@@ -70,9 +70,12 @@ class Gateway:
         return min(limits)
 
     def parse(self, kind: str, body) -> ParsedRequest:
-        parse = parse_chat if kind == "chat" else parse_completion
-        return parse(body, self.tokenizer, self.model_name, self.max_model_len,
-                     vocab_size=self.spec.vocab_size)
+        if kind == "chat":
+            return parse_chat(body, self.tokenizer, self.model_name, self.max_model_len,
+                              vocab_size=self.spec.vocab_size,
+                              tool_call_parser=self.settings.tool_call_parser)
+        return parse_completion(body, self.tokenizer, self.model_name, self.max_model_len,
+                                vocab_size=self.spec.vocab_size)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:

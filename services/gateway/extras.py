@@ -20,13 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from common.errors import InvalidRequestError
-from common.model.tokenizer import ChatTemplateError
 from common.rules import check_token_ids
 from services.gateway import openapi, responses
 from services.gateway.errors import APIError, shown
 from services.gateway.guards import read_body
 from services.gateway.parsing import parse_json
-from services.gateway.prompts import parse_messages
+from services.gateway.prompts import parse_messages, render_chat
+from services.gateway.tool_parsers import rendering_parser
+from services.gateway.tools import parse_tools
 
 if TYPE_CHECKING:
     from services.gateway.app import Gateway
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 # request is capped: 1M characters is some 250k tokens, more than any context here.
 MAX_TEXT_CHARS = 1024 * 1024
 MAX_TOKEN_IDS = 1024 * 1024
-_UNSUPPORTED_CHAT = ("tools", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
+_UNSUPPORTED_CHAT = ("chat_template", "chat_template_kwargs", "mm_processor_kwargs")
 
 
 def package_version() -> str:
@@ -127,12 +128,11 @@ def _chat_ids(gw: Gateway, body: Mapping[str, Any], special: bool) -> list[int]:
                                "continue_final_message")
     messages = parse_messages(body.get("messages"))  # 400s naming messages.[i]...
     _check_size(sum(len(m["content"]) for m in messages), "messages")
-    try:
-        return gw.tokenizer.apply_chat_template(
-            messages, _flag(body, "add_generation_prompt", default=True),
-            add_special_tokens=special)
-    except ChatTemplateError as e:
-        raise APIError.invalid(str(e), "messages") from e
+    tools = parse_tools(body)  # rendered as a chat request with them would be
+    return render_chat(messages, gw.tokenizer, tools.rendered if tools else (),
+                       rendering_parser(gw.settings.tool_call_parser),
+                       add_generation_prompt=_flag(body, "add_generation_prompt", default=True),
+                       add_special_tokens=special)
 
 
 def detokenize(gw: Gateway, body: Any) -> dict[str, Any]:

@@ -6,7 +6,8 @@ see ``parsing``), which leaves FastAPI nothing to describe; these JSON schemas s
 ``parse_chat`` / ``parse_completion`` and ``SamplingParams`` accept, field by field, and
 which answers may come back. What a schema cannot say — rules across fields, such as a
 prompt plus ``max_tokens`` within the context, ``min_tokens`` at most ``max_tokens``,
-``top_logprobs`` only with ``logprobs``, ``stream_options`` only with ``stream`` — is a
+``top_logprobs`` only with ``logprobs``, ``stream_options`` only with ``stream``, a
+``tool_choice`` naming one of the ``tools``, each tool's ``parameters`` a valid JSON schema — is a
 400 with an OpenAI error body. Keep this in step with ``parsing`` and ``prompts``: the
 schemathesis test sends what these schemas allow and checks the answers against them.
 """
@@ -24,6 +25,7 @@ from services.gateway.parsing import (
     MAX_STOP,
 )
 from services.gateway.prompts import ROLES
+from services.gateway.tools import MAX_TOOLS
 
 Schema = dict[str, Any]
 _INT64 = 2**63
@@ -97,16 +99,45 @@ def _request_field_schemas(vocab_size: int) -> dict[str, Schema]:
 def chat_request(model: str, vocab_size: int) -> Schema:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    call = {"type": "object", "required": ["function"], "properties": {
+        "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "minLength": 1},
+            "arguments": {"type": "string"}}}}}  # a JSON object, as text
     message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string", "enum": list(ROLES)},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+        # (an assistant message with tool_calls may also send null)
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]},
+        "tool_calls": {"type": "array", "items": call},  # assistant messages
+        "tool_call_id": {"type": "string"}}}  # tool messages
     return {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": message},
+        **_tool_fields(),
         **_common_fields(model, vocab_size),
         "max_completion_tokens": _integer(1),  # wins over max_tokens when both are given
         "logprobs": _boolean(),
         "top_logprobs": _integer(0, MAX_CHAT_TOP_LOGPROBS),
     }}
+
+
+def _tool_fields() -> dict[str, Schema]:
+    """``tools``: function names unique, parameters a JSON schema (``services.gateway.tools``)."""
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": {"type": "string"},
+        "parameters": {"type": "object"}}}
+    tool = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]}, "function": function}}
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string"}}}}}  # one of the tools
+    return {
+        "tools": _nullable({"type": "array", "maxItems": MAX_TOOLS, "items": tool}),
+        "tool_choice": _nullable({"anyOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]}, named]}),
+        "parallel_tool_calls": _boolean(),
+    }
 
 
 def completion_request(model: str, vocab_size: int) -> Schema:
@@ -219,7 +250,8 @@ def tokenize_operation(model: str, vocab_size: int) -> Schema:
               "properties": {"prompt": {"type": "string"}, **common}}
     messages = chat_request(model, vocab_size)["properties"]["messages"]
     chat = {"type": "object", "required": ["messages"],
-            "properties": {"messages": messages, "add_generation_prompt": _boolean(), **common}}
+            "properties": {"messages": messages, "add_generation_prompt": _boolean(),
+                           "tools": _tool_fields()["tools"], **common}}
     return _body_operation({"oneOf": [prompt, chat]}, _TOKENIZED, _SMALL_ERRORS)
 
 

@@ -22,6 +22,8 @@ from common.rules import check_context, check_logit_bias
 from common.sampling_params import SamplingError, SamplingParams
 from services.gateway.errors import APIError, shown
 from services.gateway.prompts import chat_prompt, parse_prompt
+from services.gateway.tool_parsers import DEFAULT_PARSER, ToolParser, rendering_parser
+from services.gateway.tools import parse_tools
 
 MAX_STOP = 4  # OpenAI's limit (SamplingParams allows more for the CLI)
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -60,6 +62,7 @@ class ParsedRequest:
     user: str | None = None
     prompt_text: str = ""  # completions with echo: the prompt as text
     request_id: str = ""  # "chatcmpl-..." / "cmpl-..."
+    tool_parser: ToolParser | None = None  # chat with tools: reads calls out of the text
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -98,22 +101,28 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
 
 
 def parse_chat(body: Any, tokenizer: Tokenizer | None, served_model: str, max_model_len: int,
-               *, vocab_size: int | None = None) -> ParsedRequest:
+               *, vocab_size: int | None = None,
+               tool_call_parser: str = DEFAULT_PARSER) -> ParsedRequest:
     """Validate a /v1/chat/completions body and apply the chat template."""
     body = _object(body)
     model = _model(body, served_model)
-    _reject_unsupported(body, ("tools", "functions", "response_format"))
+    _reject_unsupported(body, ("functions", "response_format"))
     _reject_unsupported(body, ("prompt_logprobs",))  # a completions field here
+    tools = parse_tools(body)
     stream, include_usage = _stream(body)
     user = _optional(body, "user", str, "a string")
     logprobs = _chat_logprobs(body)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
     vocab = _vocab(tokenizer, vocab_size)
     params = _sampling(body, max_tokens, logprobs, vocab, max_model_len)
-    ids = chat_prompt(body.get("messages"), tokenizer)
+    listed, rendering = (tools.rendered, rendering_parser(tool_call_parser)) if tools else ((), None)
+    ids = chat_prompt(body.get("messages"), tokenizer, listed, rendering)
     params = _fit_context(params, max_tokens, len(ids), max_model_len, "messages")
+    if tools:
+        params = tools.constrain(params)
     return ParsedRequest("chat", model, ids, params, stream=stream, include_usage=include_usage,
-                         logprobs_mode=None if logprobs is None else "chat", user=user)
+                         logprobs_mode=None if logprobs is None else "chat", user=user,
+                         tool_parser=tools.parser(tool_call_parser) if tools else None)
 
 
 def parse_completion(body: Any, tokenizer: Tokenizer | None, served_model: str,

@@ -1,6 +1,7 @@
 """The prompt shapes the gateway accepts, shared with ``tandem generate``.
 
-``messages`` (roles and text, strings or arrays of text parts) through the chat template,
+``messages`` (roles and text, strings or arrays of text parts, and tool turns: see
+``tool_prompts``) through the chat template,
 a completions ``prompt`` (a string, [string], token ids or [token ids]), and bare token
 ids. Each raises ``APIError`` naming the offending field; nothing else escapes, so a CLI
 line and an HTTP body are judged alike.
@@ -8,7 +9,7 @@ line and an HTTP body are judged alike.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,23 +17,39 @@ from common.errors import InvalidRequestError
 from common.model.tokenizer import ChatTemplateError, Tokenizer
 from common.rules import check_token_ids
 from services.gateway.errors import APIError, shown
+from services.gateway.tool_parsers import DEFAULT_PARSER, RenderingParser, rendering_parser
+from services.gateway.tool_prompts import assistant_calls, prepare, tool_result
+from services.gateway.tools import Tool
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 _UNSUPPORTED_PARTS = ("image_url", "input_audio", "file", "image", "audio", "video")
 
-def chat_prompt(messages: Any, tokenizer: Tokenizer | None) -> list[int]:
-    """A ``messages`` value through the chat template, as token ids."""
-    checked = parse_messages(messages)
+def chat_prompt(messages: Any, tokenizer: Tokenizer | None, tools: Sequence[Tool] = (),
+                parser: RenderingParser | None = None, **template: bool) -> list[int]:
+    """A ``messages`` value (and the ``tools`` it may call) through the chat template, as
+    token ids (``render_chat``)."""
+    return render_chat(parse_messages(messages), tokenizer, tools, parser, **template)
+
+
+def render_chat(messages: list[dict[str, Any]], tokenizer: Tokenizer | None,
+                tools: Sequence[Tool] = (), parser: RenderingParser | None = None,
+                **template: bool) -> list[int]:
+    """Checked messages (``parse_messages``) through the chat template; ``parser``'s format
+    is the one asked for where the template knows no tools (``tool_prompts``).
+    ``template``: ``add_generation_prompt`` and ``add_special_tokens`` for
+    ``Tokenizer.apply_chat_template``."""
     if tokenizer is None:
         raise APIError.invalid("this model has no tokenizer: send the prompt as token ids",
                                "messages")
+    messages, listed = prepare(messages, tools, tokenizer.template_supports_tools,
+                               parser or rendering_parser(DEFAULT_PARSER))
     try:
-        return tokenizer.apply_chat_template(checked)
+        return tokenizer.apply_chat_template(messages, tools=listed, **template)
     except ChatTemplateError as e:
         raise APIError.invalid(str(e), "messages") from e
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any) -> list[dict[str, Any]]:
     """Messages reduced to role and text: all the chat template needs, nothing unchecked."""
     if value is None:
         raise APIError.invalid("Missing required parameter: 'messages'.", "messages")
@@ -43,7 +60,7 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return [_message(i, m) for i, m in enumerate(value)]
 
 
-def _message(i: int, m: Any) -> dict[str, str]:
+def _message(i: int, m: Any) -> dict[str, Any]:
     where = f"messages.[{i}]"
     if not isinstance(m, Mapping):
         raise APIError.invalid(f"{where} must be an object, got {shown(m)}", where)
@@ -53,7 +70,12 @@ def _message(i: int, m: Any) -> dict[str, str]:
     if role not in ROLES:  # a list or dict role is "not in" as well, never a TypeError
         raise APIError.invalid(f"{where}.role: invalid value {shown(role)}; supported values "
                                f"are {', '.join(ROLES)}", f"{where}.role")
-    return {"role": role, "content": _content(m.get("content"), f"{where}.content")}
+    if role == "assistant" and m.get("tool_calls"):  # its content may be null then
+        content = m.get("content")
+        text = "" if content is None else _content(content, f"{where}.content")
+        return {"role": role, "content": text, "tool_calls": assistant_calls(m, where)}
+    out = {"role": role, "content": _content(m.get("content"), f"{where}.content")}
+    return out | tool_result(m, where) if role == "tool" else out
 
 
 def _content(value: Any, where: str) -> str:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from common.outputs import TokenLogprob
 from services.gateway.parsing import ParsedRequest
+from services.gateway.tool_stream import ToolCallStream, shape
+from services.gateway.tool_stream import finish_reason as tool_finish_reason
 
 if TYPE_CHECKING:
     from services.gateway.prompt_logprobs import PromptLogprobs
@@ -101,12 +103,21 @@ def _top_dict(e: LogprobEntry) -> dict[str, float] | None:
 def chat_completion(req: ParsedRequest, choices: Sequence[ChoiceResult],
                     usage_: Mapping[str, Any]) -> dict[str, Any]:
     return {"id": req.request_id, "object": "chat.completion", "created": req.created,
-            "model": req.model,
-            "choices": [{"index": c.index,
-                         "message": {"role": "assistant", "content": c.text},
-                         "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
-                         "finish_reason": c.finish_reason} for c in choices],
+            "model": req.model, "choices": [_chat_choice(req, c) for c in choices],
             "usage": dict(usage_)}
+
+
+def _chat_choice(req: ParsedRequest, c: ChoiceResult) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    reason = c.finish_reason
+    if req.tool_parser is not None:  # the text may hold tool calls (tool_stream.shape)
+        shaped = shape(req.tool_parser, c.text, reason)
+        message["content"], reason = shaped.content, shaped.finish_reason
+        if shaped.tool_calls:
+            message["tool_calls"] = shaped.tool_calls
+    return {"index": c.index, "message": message,
+            "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
+            "finish_reason": reason}
 
 
 def text_completion(req: ParsedRequest, choices: Sequence[ChoiceResult],
@@ -148,12 +159,15 @@ def _chunk(req: ParsedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
 
 def chat_chunk(req: ParsedRequest, index: int, *, role: str | None = None,
                content: str | None = None, logprobs: Sequence[LogprobEntry] | None = None,
-               finish_reason: str | None = None) -> dict[str, Any]:
+               finish_reason: str | None = None,
+               tool_calls: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_calls:
+        delta["tool_calls"] = [dict(t) for t in tool_calls]
     return _chunk(req, [{"index": index, "delta": delta,
                          "logprobs": None if logprobs is None else chat_logprobs(logprobs),
                          "finish_reason": finish_reason}])
@@ -183,12 +197,18 @@ class ChunkFormatter:
     def __init__(self, req: ParsedRequest) -> None:
         self.req = req
         self._sent: dict[int, int] = {}  # choice -> characters of text sent so far
+        self._tools: dict[int, ToolCallStream] = {}  # choice -> its calls (with tools)
 
     def chunk(self, index: int, text: str, logprobs: Sequence[LogprobEntry] | None = None,
               finish_reason: str | None = None,
-              prompt: PromptLogprobs | None = None) -> dict[str, Any]:
+              prompt: PromptLogprobs | None = None) -> dict[str, Any] | None:
+        """The chunk for one delta of a choice; None when it has nothing to show (its text
+        is tool-call markup held back, and it carries no logprobs). ``prompt``: the prompt's
+        logprobs, shown on a completions choice's first chunk."""
         first = index not in self._sent
         sent = self._sent.get(index, 0)
+        if self.req.tool_parser is not None:
+            return self._tool_chunk(index, first, text, logprobs, finish_reason)
         if self.req.kind == "chat":
             self._sent[index] = sent + len(text)
             # OpenAI's first delta is {"role": "assistant", "content": ""}; later ones omit
@@ -203,6 +223,26 @@ class ChunkFormatter:
         self._sent[index] = sent + len(text)
         return completion_chunk(self.req, index, text, logprobs, finish_reason, offset,
                                 prompt if first else None)
+
+    def _tool_chunk(self, index: int, first: bool, text: str,
+                    logprobs: Sequence[LogprobEntry] | None,
+                    finish_reason: str | None) -> dict[str, Any] | None:
+        """A chat chunk whose text went through the choice's ``ToolCallStream``: content
+        and tool-call deltas, never call markup."""
+        stream = self._tools.setdefault(index, ToolCallStream(self.req.tool_parser))
+        delta = stream.push(text)
+        if finish_reason is not None:
+            rest = stream.finish()
+            delta.content += rest.content
+            delta.tool_calls += rest.tool_calls
+            finish_reason = tool_finish_reason(finish_reason, stream.called)
+        if not (first or delta or logprobs or finish_reason):
+            return None
+        self._sent[index] = self._sent.get(index, 0) + len(delta.content)
+        return chat_chunk(self.req, index, role="assistant" if first else None,
+                          content=delta.content if delta.content or first else None,
+                          logprobs=logprobs, finish_reason=finish_reason,
+                          tool_calls=delta.tool_calls)
 
     def usage_chunk(self, usage_: Mapping[str, Any]) -> dict[str, Any] | None:
         """None when the client did not ask for usage."""

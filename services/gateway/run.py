@@ -65,8 +65,8 @@ class ChunkStream:
 
     def delta(self, d: ChoiceDelta) -> Iterable[bytes]:
         lps = d.tokens if self.parsed.logprobs_mode else None
-        return (responses.sse(self.fmt.chunk(d.index, d.text, lps, d.finish_reason,
-                                             self._prompt())),)
+        chunk = self.fmt.chunk(d.index, d.text, lps, d.finish_reason, self._prompt())
+        return () if chunk is None else (responses.sse(chunk),)  # None: tool-call markup held
 
     def end(self, usage: dict[str, Any]) -> Iterable[bytes]:
         chunk = self.fmt.usage_chunk(usage)

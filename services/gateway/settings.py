@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.gateway.tool_parsers import DEFAULT_PARSER, PARSERS
+
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
@@ -22,6 +24,7 @@ class GatewaySettings:
     request_timeout: float = 600.0  # silence from the workers that fails a request
     admission_timeout: float = 120.0  # must exceed the router's queue timeout
     drain_timeout: float = 30.0  # SIGTERM: open requests get this long to finish
+    tool_call_parser: str = DEFAULT_PARSER  # reads tool calls out of text (tool_parsers.PARSERS)
 
     def __post_init__(self) -> None:
         for name in ("router", "stream_bind"):
@@ -44,6 +47,8 @@ class GatewaySettings:
         _check(isinstance(self.drain_timeout, int | float) and math.isfinite(self.drain_timeout)
                and self.drain_timeout >= 0, "drain_timeout",
                f"must be a number of seconds >= 0, got {self.drain_timeout!r}")
+        _check(self.tool_call_parser in PARSERS, "tool_call_parser",
+               f"must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         for name in ("request_timeout", "admission_timeout"):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
