@@ -483,3 +483,6 @@ def test_the_eos_or_stop_token_that_ends_a_choice_has_no_text_unless_included(to
     a = ResponseAssembler(tok, [1, 2, 3], SamplingParams(max_tokens=2, skip_special_tokens=False))
     text = a.feed(Tokens("r", 0, 0, [ids[0], eos], finish_reason=FinishReason.LENGTH))[0].text
     assert text == " red<|im_end|>"  # ended by length (ignore_eos): the token is shown
+    a = ResponseAssembler(tok, [1, 2, 3], SamplingParams(max_tokens=8))
+    deltas = a.feed(Tokens("r", 0, 0, ids, finish_reason=FinishReason.STOP))  # not a stop token
+    assert "".join(d.text for d in deltas) == " red blue"

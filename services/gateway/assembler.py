@@ -102,18 +102,23 @@ class ResponseAssembler:
             if token >= 0:
                 choice.token_ids.append(token)
                 tokens.append(self._token_info(token, lp))
-                if reason != "stop" or self.params.include_stop_str_in_output:
+                if not self._ends_unshown(token, reason):
                     delta = choice.text_stream.push(token)
                     text.append(delta.text)
                     if delta.stop is not None:
                         reason = "stop"
-                # else: the EOS or stop token that ended the choice, unshown (as vLLM)
             if reason is not None:
                 text.append(choice.text_stream.finish().text)
                 choice.finish_reason = reason
         if not tokens and choice.finish_reason is None:
             return None
         return ChoiceDelta(index, "".join(text), tokens, choice.finish_reason)
+
+    def _ends_unshown(self, token: int, reason: str | None) -> bool:
+        """The EOS or stop token that ended a choice has no text (vLLM's rule), unless
+        include_stop_str_in_output."""
+        return (reason == "stop" and not self.params.include_stop_str_in_output
+                and (token in self._tok.eos_token_ids or token in self.params.stop_token_ids))
 
     def _token_info(self, token: int, lp: TokenLogprob | None) -> LogprobEntry:
         return LogprobEntry.from_engine(lp or TokenLogprob(token, 0.0), self._tok.token_text)
