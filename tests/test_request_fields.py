@@ -486,3 +486,15 @@ def test_the_eos_or_stop_token_that_ends_a_choice_has_no_text_unless_included(to
     a = ResponseAssembler(tok, [1, 2, 3], SamplingParams(max_tokens=8))
     deltas = a.feed(Tokens("r", 0, 0, ids, finish_reason=FinishReason.STOP))  # not a stop token
     assert "".join(d.text for d in deltas) == " red blue"
+
+
+def test_a_sequence_past_its_first_token_scores_nothing_and_may_use_the_prefix_cache():
+    from common.engine.prompt_logprobs import needs_prompt_logprobs, wanted_positions
+
+    seq = Request("r", list(range(10)), SamplingParams(prompt_logprobs=1), max_tokens=4).seqs[0]
+    assert needs_prompt_logprobs(seq) and wanted_positions(seq, 0, 10) == range(0, 9)
+    assert wanted_positions(seq, 4, 6) == range(4, 6)
+    seq.token_ids.append(5)  # e.g. a fork, or a request prefilled on another worker
+    assert not needs_prompt_logprobs(seq) and wanted_positions(seq, 0, 11) == range(0)
+    plain = Request("p", list(range(10)), SamplingParams(), max_tokens=4).seqs[0]
+    assert not needs_prompt_logprobs(plain) and wanted_positions(plain, 0, 10) == range(0)

@@ -36,15 +36,17 @@ class PromptRows:
 
 
 def needs_prompt_logprobs(seq: Sequence) -> bool:
-    """Asked for, and not every prompt token is scored yet."""
-    return (seq.params.prompt_logprobs is not None
+    """Asked for, not every prompt token scored yet, and still before the first output
+    token (which the records travel with: a sequence past it — forked, preempted after
+    its prompt, or prefilled elsewhere — has nothing left to score)."""
+    return (seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
             and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1)
 
 
 def wanted_positions(seq: Sequence, start: int, end: int) -> range:
     """Of the positions ``[start, end)`` a step computes, those that score a prompt token
     not scored yet (empty when none)."""
-    if seq.params.prompt_logprobs is None:
+    if not needs_prompt_logprobs(seq):
         return range(0)
     return range(max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1))
 
