@@ -22,6 +22,7 @@ from common.rules import check_context
 from common.sampling_params import SamplingError, SamplingParams
 from services.gateway.errors import APIError, shown
 from services.gateway.prompts import chat_prompt, parse_prompt
+from services.gateway.structured import parse_structured
 
 MAX_STOP = 4  # OpenAI's limit (SamplingParams allows more for the CLI)
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -95,7 +96,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer | None, served_model: str, max_mo
     """Validate a /v1/chat/completions body and apply the chat template."""
     body = _object(body)
     model = _model(body, served_model)
-    _reject_unsupported(body, ("tools", "functions", "response_format", "logit_bias"))
+    _reject_unsupported(body, ("tools", "functions", "logit_bias"))
     stream, include_usage = _stream(body)
     user = _optional(body, "user", str, "a string")
     logprobs = _chat_logprobs(body)
@@ -221,6 +222,8 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | N
         raise APIError.invalid("seed must fit in 64 bits", "seed")
     if params.top_k >= _INT64:
         raise APIError.invalid("top_k is too large", "top_k")
+    if (structured := parse_structured(body)) is not None:  # response_format and vLLM's spellings
+        params = dataclasses.replace(params, structured=structured)
     for t in params.stop_token_ids:
         if vocab is not None and t >= vocab:
             raise APIError.invalid(f"stop_token_ids: {t} is not a token id (vocabulary size "
