@@ -74,37 +74,38 @@ def check(structured: StructuredOutput) -> None:
     grammar_of(structured)
 
 
-@functools.lru_cache(maxsize=256)
 def grammar_of(structured: StructuredOutput) -> str:
-    """The llguidance grammar of ``structured``; raises ``GrammarError`` for a bad spec
-    (cached: clients repeat their schemas)."""
-    kind, spec = structured.kind, structured.spec
+    """The llguidance grammar of ``structured``; raises ``GrammarError`` for a bad spec."""
+    return _grammar_of(structured.kind, structured.spec)
+
+
+@functools.lru_cache(maxsize=256)  # clients repeat their schemas
+def _grammar_of(kind: StructuredKind, spec: str) -> str:
     if len(spec) > MAX_SPEC_CHARS:
         raise GrammarError(kind, f"longer than {MAX_SPEC_CHARS} characters")
-    grammar = _grammar(structured)
+    grammar = _grammar(kind, spec)
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise GrammarError(kind, _first_line(error))
     return grammar
 
 
-def _grammar(s: StructuredOutput) -> str:
-    kind = s.kind
+def _grammar(kind: StructuredKind, spec: str) -> str:
     if kind is StructuredKind.JSON_OBJECT:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if kind is StructuredKind.JSON:
-        return llguidance.LLMatcher.grammar_from_json_schema(_json_schema(s.spec), defaults=JSON_DEFAULTS)
+        return llguidance.LLMatcher.grammar_from_json_schema(_json_schema(spec), defaults=JSON_DEFAULTS)
     if kind is StructuredKind.REGEX:
-        if not s.spec:
+        if not spec:
             raise GrammarError(kind, "the regex is empty")
-        return llguidance.LLMatcher.grammar_from_regex(s.spec)
+        return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind is StructuredKind.CHOICE:
-        return llguidance.LLMatcher.grammar_from_lark(_choice_lark(s.spec))
+        return llguidance.LLMatcher.grammar_from_lark(_choice_lark(spec))
     if kind is StructuredKind.GRAMMAR:
-        if not s.spec.strip():
+        if not spec.strip():
             raise GrammarError(kind, "the grammar is empty")
         try:  # Lark, or GBNF (llama.cpp's) converted to Lark
-            return llguidance.grammar_from("grammar", s.spec)
+            return llguidance.grammar_from("grammar", spec)
         except ValueError as e:
             raise GrammarError(kind, _first_line(str(e))) from None
     raise AssertionError(kind)
@@ -181,17 +182,18 @@ class GrammarCache:
     def __init__(self, tokenizer: llguidance.LLTokenizer, max_entries: int = 128) -> None:
         self.tokenizer = tokenizer
         self.max_entries = max_entries
-        self._templates: dict[StructuredOutput, llguidance.LLMatcher] = {}
+        self._templates: dict[tuple[StructuredKind, str], llguidance.LLMatcher] = {}
 
     def new_matcher(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher at the start of ``structured``; raises ``GrammarError`` for a
         spec that does not compile (a worker must fail only that request)."""
-        template = self._templates.pop(structured, None)  # re-inserted: most recent last
+        key = structured.key
+        template = self._templates.pop(key, None)  # re-inserted: most recent last
         if template is None:
             template = llguidance.LLMatcher(self.tokenizer, grammar_of(structured), log_level=0)
             if template.is_error():
                 raise GrammarError(structured.kind, _first_line(template.get_error()))
-        self._templates[structured] = template
+        self._templates[key] = template
         while len(self._templates) > self.max_entries:
             del self._templates[next(iter(self._templates))]
         return template.deep_copy()

@@ -341,3 +341,23 @@ def test_a_handoff_resumes_the_matcher_from_the_first_token(tiny_model_dir):
     assert_valid(full)
     colocated = make_engine(tiny_model_dir).generate([PROMPTS[2]], params)
     assert full == texts(colocated)  # seeded: the same tokens as one engine doing both
+
+
+def test_a_moved_request_resumes_from_the_output_in_its_prompt(tiny_model_dir, tiny):
+    """The gateway continues a request elsewhere with the delivered tokens in the prompt
+    (``services.gateway.resume``): the matcher reads them first."""
+    from dataclasses import replace
+
+    from services.gateway.parsing import ParsedRequest
+    from services.gateway.resume import Attempt, continuations
+
+    delivered = tiny.tokenizer.hf.encode('{"n":4', add_special_tokens=False)
+    parsed = ParsedRequest("completion", "m", [1, 2, 3], json_params(n=2))
+    [moved] = continuations(parsed, Attempt("r", 1), lambda choice: delivered, [1])
+    assert moved.params.structured.num_output_in_prompt == len(delivered)
+    assert moved.prompt_token_ids == [1, 2, 3] + delivered
+    [out] = make_engine(tiny_model_dir).generate([moved.prompt_token_ids], moved.params)
+    assert_valid(['{"n":4' + out.choices[0].text])
+    with pytest.raises(Exception, match="exceeds the prompt"):
+        structured = replace(moved.params.structured, num_output_in_prompt=99)
+        make_engine(tiny_model_dir).add_request([1, 2], replace(moved.params, structured=structured))

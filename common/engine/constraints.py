@@ -66,11 +66,15 @@ class Constraints:
         self._failed: list[tuple[Sequence, str]] = []
         self._masked: list[SeqConstraint] = []
 
-    def check(self, params: SamplingParams) -> None:
+    def check(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """Refuse a constrained request this engine cannot serve (raises at add time)."""
-        if params.structured is not None and self.tokenizer is None:
+        if params.structured is None:
+            return
+        if self.tokenizer is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer, and this "
                                       "model directory has none", "response_format")
+        if not 0 <= params.structured.num_output_in_prompt <= num_prompt_tokens:
+            raise InvalidRequestError("structured.num_output_in_prompt exceeds the prompt")
 
     # ---- each step --------------------------------------------------------------------
 
@@ -137,7 +141,7 @@ class Constraints:
         return c
 
     def _catch_up(self, seq: Sequence, c: SeqConstraint) -> None:
-        output = seq.token_ids[seq.num_prompt_tokens :]
+        output = seq.token_ids[seq.num_prompt_tokens - seq.params.structured.num_output_in_prompt :]
         done = len(c.consumed)
         if done > len(output) or (done and output[done - 1] != c.consumed[-1]):
             # The output no longer extends what was consumed: rewind to what they share.

@@ -453,7 +453,7 @@ class Engine:
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> int:
         """The request's max_tokens, resolved against the context (raises on bad input)."""
         check_token_ids(ids, self.spec.vocab_size)
-        self.constraints.check(params)
+        self.constraints.check(params, len(ids))
         return check_context(len(ids), params.max_tokens, self.max_model_len)
 
     # ---- results --------------------------------------------------------------------
