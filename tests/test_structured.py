@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.config import SpeculativeConfig
-from common.engine.constraints import Constraints, apply_masks, unpack_bitmask
+from common.engine.constraints import Constraints, apply_masks, forbidden_tokens, unpack_bitmask
 from common.engine.request import Request
 from common.grammar import (
     GrammarError,
@@ -165,6 +165,17 @@ def test_unpack_bitmask_matches_numpy():
     words = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32)
     expected = np.unpackbits(words.numpy().view(np.uint8), bitorder="little").reshape(3, -1)
     assert np.array_equal(unpack_bitmask(words, 150).numpy(), expected[:, :150].astype(bool))
+    assert torch.equal(forbidden_tokens(words, 150, torch.device("cpu")), ~unpack_bitmask(words, 150))
+
+
+def test_a_batch_of_only_constrained_rows_is_masked_in_one_pass(tiny, constraints):
+    structured = StructuredOutput(StructuredKind.CHOICE, '["yes", "no"]')
+    seqs = [seq_with_output(structured, []), seq_with_output(structured, [])]
+    constraints.prepare(seqs, [])
+    logits = torch.randn(2, tiny.spec.vocab_size)
+    out = apply_masks(logits, seqs)
+    allowed = torch.from_numpy(reference_mask(tiny, structured, []))
+    assert torch.isfinite(out).eq(allowed).all() and torch.equal(out[:, allowed], logits[:, allowed])
 
 
 def test_a_rewound_output_rolls_the_matcher_back(tiny, constraints):

@@ -199,20 +199,35 @@ def apply_masks(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows.append(i)
     if not rows:
         return logits
-    allowed = unpack_bitmask(torch.stack(picks).to(logits.device), logits.shape[1])  # [R, V]
+    forbidden = forbidden_tokens(torch.stack(picks), logits.shape[1], logits.device)  # [R, V]
+    if len(rows) == logits.shape[0]:  # every row constrained: one pass, no gather
+        return _fall_back_to_allowed(logits.masked_fill(forbidden, float("-inf")), forbidden)
     index = torch.tensor(rows, device=logits.device)
-    masked = logits[index].masked_fill(~allowed, float("-inf"))
-    # A row whose every allowed token another rule banned (min_tokens bans EOS, and the
-    # grammar is complete) falls back to its allowed tokens, evenly: the grammar wins.
-    dead = ~torch.isfinite(masked).any(dim=-1, keepdim=True)
-    masked = torch.where(dead & allowed, torch.zeros_like(masked), masked)
     logits = logits.clone()
-    logits[index] = masked
+    logits[index] = _fall_back_to_allowed(logits[index].masked_fill(forbidden, float("-inf")), forbidden)
     return logits
 
 
+def _fall_back_to_allowed(masked: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor:
+    """A row whose every allowed token another rule banned (min_tokens bans EOS, and the
+    grammar is complete) takes its allowed tokens evenly instead: the grammar wins."""
+    dead = masked.amax(dim=-1) == float("-inf")  # [R]
+    if bool(dead.any()):
+        masked[dead] = torch.zeros_like(masked[dead]).masked_fill(forbidden[dead], float("-inf"))
+    return masked
+
+
+def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[R, words] int32 bitmask (bit b of word w allows token 32 w + b) → [R, vocab_size]
+    bool, True where a token is forbidden, on ``device``."""
+    if device.type == "cpu":  # numpy's unpackbits is one C loop
+        bits = np.unpackbits((~bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, :vocab_size]).view(torch.bool)
+    return ~unpack_bitmask(bitmask.to(device, non_blocking=True), vocab_size)
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, words] int32 (bit b of word w = token 32 w + b) → [R, vocab_size] bool."""
+    """[R, words] int32 → [R, vocab_size] bool, True where a token is allowed."""
     shifts = _BIT_SHIFTS.to(bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, words, 32]
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
