@@ -372,3 +372,11 @@ def test_a_moved_request_resumes_from_the_output_in_its_prompt(tiny_model_dir, t
     with pytest.raises(Exception, match="exceeds the prompt"):
         structured = replace(moved.params.structured, num_output_in_prompt=99)
         make_engine(tiny_model_dir).add_request([1, 2], replace(moved.params, structured=structured))
+
+
+def test_ignore_eos_goes_on_with_eos_after_the_grammar_ends(tiny_model_dir):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                            structured=structured_from_choices(["yes", "no"]))
+    [out] = make_engine(tiny_model_dir).generate([[1, 2, 3]], params)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.token_ids[1:] == [EOS] * 5

@@ -41,11 +41,12 @@ _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 @dataclass(slots=True, eq=False)
 class SeqConstraint:
-    """One sequence's matcher: it has consumed exactly ``consumed`` (a prefix of the
-    sequence's output), unless ``error`` says it broke."""
+    """One sequence's matcher: it has consumed ``consumed`` (a prefix of the sequence's
+    output) but for the EOS tokens after its end, unless ``error`` says it broke."""
 
     matcher: llguidance.LLMatcher | None
     consumed: list[int] = field(default_factory=list)
+    num_after_stop: int = 0  # of those, the last ones that came after the grammar ended
     error: str | None = None
     mask: torch.Tensor | None = None  # this step's bitmask rows [1 + len(draft), words]
 
@@ -146,13 +147,17 @@ class Constraints:
         if done > len(output) or (done and output[done - 1] != c.consumed[-1]):
             # The output no longer extends what was consumed: rewind to what they share.
             done = _common_prefix(c.consumed, output)
-            c.matcher.rollback(len(c.consumed) - done)
+            fed = len(c.consumed) - c.num_after_stop
+            c.matcher.rollback(max(0, fed - done))
+            c.num_after_stop = max(0, c.num_after_stop - (len(c.consumed) - max(done, fed)))
             del c.consumed[done:]
-        new = output[done:]
-        if new and not c.matcher.consume_tokens(new):
-            c.error = _matcher_error(c.matcher)
-            return
-        c.consumed.extend(new)
+        for token in output[done:]:
+            if c.matcher.is_stopped():  # complete: what follows is EOS (ignore_eos goes on)
+                c.num_after_stop += 1
+            elif not c.matcher.consume_token(token):
+                c.error = _matcher_error(c.matcher)
+                return
+            c.consumed.append(token)
 
     def _fail(self, seq: Sequence, c: SeqConstraint, rows: int) -> None:
         """Its rows allow only EOS this step; the engine ends the request with the error."""
