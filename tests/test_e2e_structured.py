@@ -149,3 +149,20 @@ def test_openai_sdk_parse_with_a_pydantic_model(cluster):
             max_tokens=60)
         parsed = completion.choices[0].message.parsed
         assert isinstance(parsed, Reading) and -50 <= parsed.celsius <= 50
+
+
+def test_a_streamed_answer_assembles_to_valid_json(cluster):
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
+    body = {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 80,
+            "response_format": fmt, "stream": True, "temperature": 1.0, "seed": 5}
+    parts, finish = [], None
+    with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, timeout=180) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                parts.append(choice["delta"].get("content") or "")
+                finish = choice.get("finish_reason") or finish
+    assert finish == "stop"
+    jsonschema.validate(json.loads("".join(parts)), SCHEMA)
