@@ -21,3 +21,11 @@ class StructuredKind(enum.Enum):
 class StructuredOutput:
     kind: StructuredKind
     spec: str = ""
+    # The prompt's last this many tokens are output the constraint already matched: a
+    # request the gateway moved to another worker carries its delivered tokens in the prompt.
+    num_output_in_prompt: int = 0
+
+    @property
+    def key(self) -> tuple[StructuredKind, str]:
+        """What the compiled grammar depends on."""
+        return self.kind, self.spec

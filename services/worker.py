@@ -304,6 +304,11 @@ class WorkerService:
             meta = self.clock.get(u.request_id)
             if meta is None:
                 continue
+            if u.error is not None:  # the engine ended it (a structured-output matcher failed)
+                self.engine.abort(u.request_id)
+                self.clock.forget(u.request_id)
+                self._fail(u.request_id, meta.reply_to, u.error)
+                continue
             first = meta.first_token is None
             self.clock.observe_token(meta, u, now, self.metrics)
             if first and self.s.role is WorkerRole.DECODE:  # a prompt prefilled here is done

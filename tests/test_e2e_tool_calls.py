@@ -2,14 +2,12 @@
 template renders tools (colocated), and the tiny Llama with SmolLM2's template, which has
 none (the default rendering; prefill and decode workers).
 
-Forced calls (``required`` and a named function) need the engine's structured-output mask
-(``common.engine.constraints``); until it is there the engine ignores the constraint, and
-those tests are skipped (``requires_structured_mask``).
+Forced calls (``required`` and a named function) are held to the tools' schemas by the
+engine's structured-output mask (``common.engine.constraints``), so they always parse.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import jsonschema
@@ -19,15 +17,6 @@ import pytest
 from common.model.tokenizer import Tokenizer
 from services.gateway.parsing import parse_chat
 from tests.cluster import Cluster
-
-
-def _mask_available() -> bool:
-    return importlib.util.find_spec("common.engine.constraints") is not None
-
-
-requires_structured_mask = pytest.mark.skipif(
-    not _mask_available(), reason="the engine's structured-output mask (common.engine."
-    "constraints) is not here yet: forced calls would not be enforced")
 
 ASK = [{"role": "user", "content": "What time is it in Paris?"}]
 TIME = {"type": "function", "function": {
@@ -159,7 +148,6 @@ def test_the_default_rendering_generates_for_a_conversation(default, tiny_model_
 CLUSTERS = ["qwen", "default"]
 
 
-@requires_structured_mask
 @pytest.mark.parametrize("name", CLUSTERS)
 @pytest.mark.parametrize("function", ["get_time", "convert"])
 def test_a_named_choice_is_always_a_valid_call_of_that_function(request, name, function):
@@ -173,7 +161,6 @@ def test_a_named_choice_is_always_a_valid_call_of_that_function(request, name, f
         assert choice.finish_reason == "tool_calls" and call.id.startswith("call_")
 
 
-@requires_structured_mask
 @pytest.mark.parametrize("name", CLUSTERS)
 def test_required_is_always_one_valid_call_without_parallel_calls(request, name):
     cluster = request.getfixturevalue(name)
@@ -185,7 +172,6 @@ def test_required_is_always_one_valid_call_without_parallel_calls(request, name)
     assert out.choices[0].finish_reason == "tool_calls"
 
 
-@requires_structured_mask
 @pytest.mark.parametrize("name", CLUSTERS)
 def test_a_forced_call_streams_as_tool_call_deltas(request, name):
     cluster = request.getfixturevalue(name)
@@ -199,7 +185,6 @@ def test_a_forced_call_streams_as_tool_call_deltas(request, name):
     check_call(*calls[0])
 
 
-@requires_structured_mask
 @pytest.mark.parametrize("name", CLUSTERS)
 def test_the_sdks_parse_helper_reads_a_forced_pydantic_call(request, name):
     """``client.chat.completions.parse`` with ``openai.pydantic_function_tool``: a strict

@@ -135,8 +135,11 @@ BAD = [
     ("chat", chat(stop_token_ids=[10**6]), 400, "stop_token_ids", "not a token id"),
     ("chat", chat(min_tokens=10, max_tokens=5), 400, "min_tokens", "must not exceed max_tokens"),
     ("chat", chat(skip_special_tokens=0), 400, "skip_special_tokens", "true or false"),
-    ("chat", chat(response_format={"type": "json_object"}), 400, "response_format",
-     "not supported"),
+    ("chat", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}), 400, "response_format.json_schema.schema",
+     "invalid json_schema"),
+    ("completion", comp(structured_outputs={"regex": "[a-"}), 400, "structured_outputs.regex",
+     "unclosed character class"),
     ("chat", chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]), 400,
      "tools.[0].function.name", "letters, digits"),  # more in test_tool_calls
     ("chat", chat(functions=[{"name": "f"}]), 400, "functions", "not supported"),
@@ -203,7 +206,8 @@ FUZZ_KEYS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens
              "echo", "user", "presence_penalty", "frequency_penalty", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
              "skip_special_tokens", "tools", "functions", "response_format", "best_of", "suffix",
-             "logit_bias", "priority", "include_stop_str_in_output", "prompt_logprobs"]
+             "logit_bias", "priority", "include_stop_str_in_output", "prompt_logprobs",
+             "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
 
 
 def test_fuzz_only_api_errors(tok):

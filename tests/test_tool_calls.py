@@ -715,7 +715,6 @@ def test_required_keeps_references_in_a_tools_schema_resolving(tok):
 
 
 def test_a_schema_the_grammar_compiler_refuses_is_a_400_on_tools(tok):
-    pytest.importorskip("common.grammar", reason="comes with the structured-output mask")
     tools = tools_with(parameters={"type": "object", "properties": {
         "a": {"type": "string", "pattern": "(?<=x)a"}}})  # look-behind: llguidance has none
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
@@ -727,7 +726,6 @@ def test_a_schema_the_grammar_compiler_refuses_is_a_400_on_tools(tok):
 
 
 def test_a_forced_call_with_response_format_is_a_400(tok):
-    pytest.importorskip("services.gateway.structured", reason="comes with response_format")
     with pytest.raises(APIError) as info:
         chat(tok, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     assert (info.value.status, info.value.param) == (400, "tool_choice")

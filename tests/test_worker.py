@@ -350,3 +350,21 @@ def test_a_reregister_keeps_or_drops_the_work_as_the_router_says(colocated: Harn
     else:  # a restarted router: r goes on to its end
         colocated.run_until(lambda: len(colocated.output("r")) == 200)
     colocated.assert_idle()
+
+
+def test_a_structured_output_failure_fails_its_request_alone(colocated: Harness, monkeypatch):
+    """A grammar that breaks in the worker (llguidance refuses it for this tokenizer):
+    the gateway hears the error, the router hears Finished with it, nothing is held."""
+    from common.grammar import GrammarCache, GrammarError
+    from common.structured import StructuredKind, StructuredOutput
+
+    def refuse(self, structured):
+        raise GrammarError(structured.kind, "too complex for this tokenizer")
+
+    monkeypatch.setattr(GrammarCache, "new_matcher", refuse)
+    params = replace(GREEDY, structured=StructuredOutput(StructuredKind.REGEX, "a+"))
+    colocated.send(Task("so", PROMPT, params, colocated.reply_to))
+    colocated.run_until(lambda: colocated.finished("so") and colocated.errors("so"))
+    assert "too complex" in colocated.errors("so")[0] and colocated.output("so") == []
+    assert "too complex" in colocated.finished("so").error
+    assert len(colocated.serve_one()) == 6

@@ -19,6 +19,7 @@ import torch
 
 from common.config import EngineConfig, available_cpus
 from common.engine.block_pool import BlockPool, KVEvent
+from common.engine.constraints import Constraints
 from common.engine.cpu_share import CpuShare
 from common.engine.handoff import Handoff, KVLayout, build_handoff, live_seqs, rebuild_request
 from common.engine.intake import PrefilledIntake
@@ -56,6 +57,7 @@ class SeqUpdate:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0  # of the prompt, served from the prefix cache
     prompt_logprobs: list[TokenLogprob] | None = None  # choice 0's first update, when asked
+    error: str | None = None  # the request failed (finish_reason ABORT): every choice ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,7 @@ class Engine:
                                   self.cache_plan.dtype, self.loaded.backend,
                                   config.cache.shared_memory)
         self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.constraints = Constraints(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         self.speculator = (Speculator(config.speculative, config.scheduler.max_num_batched_tokens,
                                       self.max_model_len) if config.speculative else None)
         self.intake = PrefilledIntake(self.kv, self.runner, self.scheduler)
@@ -331,6 +334,7 @@ class Engine:
         plain_seqs, plain_rows, drafted = self._split(result)
         plain_logits = result.logits[plain_rows] if drafted else result.logits
         seqs, logits = self._expand_forks(plain_seqs, plain_logits)
+        self.constraints.prepare(seqs, [(seq, draft) for seq, draft, _ in drafted])
         sampled = self.sampler(logits, seqs)
         now = time.monotonic()
         updates = [self._postprocess(seq, [token], [lp] if lp is not None else [], now)
@@ -340,7 +344,24 @@ class Engine:
             self.speculator.observe(seq, len(draft), verified.num_accepted)
             updates.append(self._postprocess(seq, verified.token_ids, verified.logprobs, now))
             self.scheduler.settle_draft(seq, verified.num_accepted)
-        return updates
+        self.constraints.clear()
+        return self._fail_constrained(updates)
+
+    def _fail_constrained(self, updates: list[SeqUpdate]) -> list[SeqUpdate]:
+        """Requests whose structured-output matcher failed this step end, all choices,
+        with the error instead of this step's tokens (which the mask forced to EOS)."""
+        failed: dict[str, str] = {}
+        for seq, reason in self.constraints.take_failures():
+            failed.setdefault(seq.request.request_id, reason)
+        if not failed:
+            return updates
+        for request_id, reason in failed.items():
+            log.warning("request %s failed: %s", request_id, reason)
+            for seq in self._requests[request_id].request.seqs:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+        kept = [u for u in updates if u.request_id not in failed]
+        return kept + [SeqUpdate(rid, 0, 0, [], "", [], FinishReason.ABORT, error=reason)
+                       for rid, reason in failed.items()]
 
     def _split(self, result) -> tuple[list[Sequence], list[int], list[tuple[Sequence, tuple[int, ...], slice]]]:
         """Sequences sampling one row (and their rows) apart from those verifying a draft."""
@@ -442,6 +463,7 @@ class Engine:
         """The request's max_tokens, resolved against the context (raises on bad input)."""
         check_token_ids(ids, self.spec.vocab_size)
         check_logit_bias(params.logit_bias, self.spec.vocab_size)
+        self.constraints.check(params, len(ids))
         return check_context(len(ids), params.max_tokens, self.max_model_len)
 
     # ---- results --------------------------------------------------------------------
@@ -472,6 +494,8 @@ class Engine:
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             for update in self.step():
+                if update.error is not None:
+                    raise InvalidRequestError(update.error)
                 if update.finish_reason is not None:
                     done = self.finished_output(update.request_id)
                     if done is not None:

@@ -10,12 +10,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.hashing import BlockHash
 from common.outputs import FinishReason, TokenLogprob
 from common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from common.engine.constraints import SeqConstraint
 
 
 class SeqStatus(enum.Enum):
@@ -43,6 +47,7 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)  # of its full blocks, so far
     num_preemptions: int = 0
     first_token_time: float | None = None
+    constraint: SeqConstraint | None = None  # its structured-output matcher (engine.constraints)
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine.constraints import apply_masks
 from common.engine.logit_bias import apply_logit_bias
 from common.engine.request import Sequence, TokenLogprob
 
@@ -50,9 +51,12 @@ class Sampler:
     # is judged against exactly the distribution this sampler draws from.
 
     def adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logit_bias, penalties and the min_tokens mask: the logits greedy takes the argmax of."""
+        """logit_bias, penalties, the min_tokens mask and structured-output masks: the
+        logits greedy takes the argmax of."""
         logits = apply_logit_bias(logits, seqs)
-        return self._mask_early_stop(_apply_penalties(logits, seqs), seqs)
+        logits = self._mask_early_stop(_apply_penalties(logits, seqs), seqs)
+        logits = apply_masks(logits, seqs)  # structured outputs: common.engine.constraints
+        return logits
 
     def target_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """[S, V] adjusted logits → the distribution sampling draws from (temperature,

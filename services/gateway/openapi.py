@@ -80,6 +80,7 @@ def _common_fields(model: str, vocab_size: int) -> dict[str, Schema]:
         "ignore_eos": _boolean(),
         "skip_special_tokens": _boolean(),
         **_request_field_schemas(vocab_size),
+        **_structured_fields(),
     }
 
 
@@ -93,6 +94,28 @@ def _request_field_schemas(vocab_size: int) -> dict[str, Schema]:
                                                           "maximum": 100}}),
         "priority": _integer(-2**31, 2**31 - 1),
         "include_stop_str_in_output": _boolean(),
+    }
+
+
+def _structured_fields() -> dict[str, Schema]:
+    """Output constraints (``services.gateway.structured``): one of them at most, and each
+    spec must compile (a bad schema, regex or grammar is a 400 naming the field)."""
+    string, schema = {"type": "string"}, {"type": "object"}
+    choices = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
+    json_schema = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1}, "description": string, "schema": schema,
+        "strict": _boolean()}}
+    return {
+        "response_format": _nullable({"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": json_schema}}),
+        "structured_outputs": _nullable({"type": "object", "properties": {
+            "json": {"anyOf": [schema, string]}, "regex": string, "choice": choices,
+            "grammar": string, "json_object": {"type": "boolean"}}}),
+        "guided_json": _nullable({"anyOf": [schema, string]}),
+        "guided_regex": _nullable(string),
+        "guided_choice": _nullable(choices),
+        "guided_grammar": _nullable(string),
     }
 
 

@@ -22,6 +22,7 @@ from common.rules import check_context, check_logit_bias
 from common.sampling_params import SamplingError, SamplingParams
 from services.gateway.errors import APIError, shown
 from services.gateway.prompts import chat_prompt, parse_prompt
+from services.gateway.structured import parse_structured
 from services.gateway.tool_parsers import DEFAULT_PARSER, ToolParser, rendering_parser
 from services.gateway.tools import parse_tools
 
@@ -106,7 +107,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer | None, served_model: str, max_mo
     """Validate a /v1/chat/completions body and apply the chat template."""
     body = _object(body)
     model = _model(body, served_model)
-    _reject_unsupported(body, ("functions", "response_format"))
+    _reject_unsupported(body, ("functions",))
     _reject_unsupported(body, ("prompt_logprobs",))  # a completions field here
     tools = parse_tools(body)
     stream, include_usage = _stream(body)
@@ -242,6 +243,8 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None, logprobs: int | N
         raise APIError.invalid("seed must fit in 64 bits", "seed")
     if params.top_k >= _INT64:
         raise APIError.invalid("top_k is too large", "top_k")
+    if (structured := parse_structured(body)) is not None:  # response_format and vLLM's spellings
+        params = dataclasses.replace(params, structured=structured)
     for t in params.stop_token_ids:
         if vocab is not None and t >= vocab:
             raise APIError.invalid(f"stop_token_ids: {t} is not a token id (vocabulary size "

@@ -58,6 +58,9 @@ def continuations(parsed: ParsedRequest, failed: Attempt, delivered: Callable[[i
                          min_tokens=max(0, parsed.params.min_tokens - len(done)),
                          # came with the first tokens already: a longer prompt is not the client's
                          prompt_logprobs=None if done else parsed.params.prompt_logprobs)
+        if params.structured is not None:  # its matcher first reads what was delivered
+            params = replace(params, structured=replace(params.structured,
+                                                        num_output_in_prompt=len(done)))
         attempt = Attempt(f"{parsed.request_id}~{failed.number + 1}.{choice}", choice, len(done),
                           failed.number + 1)
         out.append(Continuation(attempt, parsed.prompt_token_ids + done, params))

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from common.grammar import GrammarError, check
 from common.sampling_params import SamplingParams
 from common.structured import StructuredKind, StructuredOutput
 from services.gateway.errors import APIError, shown
@@ -121,12 +122,7 @@ class ToolRequest:
 
 def _check_compiles(spec: StructuredOutput) -> None:
     """A schema the engine's grammar compiler refuses is the client's 400, not a worker's
-    failure. (``common.grammar`` comes with the engine's structured-output mask; without
-    it the engine ignores the constraint, so there is nothing to check.)"""
-    try:
-        from common.grammar import GrammarError, check
-    except ImportError:
-        return
+    failure."""
     try:
         check(spec)
     except GrammarError as e:
