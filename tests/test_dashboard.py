@@ -12,9 +12,13 @@ import pytest
 
 from tests.browser import Browser, chromium
 from tests.cluster import Cluster
+from tests.extras import missing
 
-pytestmark = pytest.mark.skipif(chromium() is None,
-                                reason="needs Debian's chromium (./setup.sh --dev installs it)")
+
+@pytest.fixture(autouse=True)
+def _chromium_installed() -> None:
+    if chromium() is None:
+        missing("Debian's chromium (./setup.sh --dev installs it)")
 
 WORKERS_JS = """JSON.stringify(Array.from(document.querySelectorAll('tr.worker'))
   .map(r => [r.dataset.workerId, r.dataset.role, r.dataset.health]))"""
