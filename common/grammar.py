@@ -83,8 +83,15 @@ def grammar_of(structured: StructuredOutput) -> str:
 def _grammar_of(kind: StructuredKind, spec: str) -> str:
     if len(spec) > MAX_SPEC_CHARS:
         raise GrammarError(kind, f"longer than {MAX_SPEC_CHARS} characters")
-    grammar = _grammar(kind, spec)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    try:
+        grammar = _grammar(kind, spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except GrammarError:
+        raise
+    except (ValueError, TypeError, OverflowError, RecursionError) as e:
+        # What the checks above do not name: a schema nested past the parser's depth, a
+        # number llguidance cannot hold. Still the client's 400, never a worker's crash.
+        raise GrammarError(kind, f"cannot be compiled: {_first_line(str(e)) or type(e).__name__}") from None
     if error:
         raise GrammarError(kind, _first_line(error))
     return grammar
@@ -190,7 +197,11 @@ class GrammarCache:
         key = structured.key
         template = self._templates.pop(key, None)  # re-inserted: most recent last
         if template is None:
-            template = llguidance.LLMatcher(self.tokenizer, grammar_of(structured), log_level=0)
+            grammar = grammar_of(structured)
+            try:
+                template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            except (ValueError, TypeError, OverflowError, RecursionError) as e:
+                raise GrammarError(structured.kind, _first_line(str(e)) or type(e).__name__) from None
             if template.is_error():
                 raise GrammarError(structured.kind, _first_line(template.get_error()))
         self._templates[key] = template

@@ -189,8 +189,8 @@ class Tokens(Message):
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed on the server side
     retryable: bool = False  # with error: a worker was lost, the request may run elsewhere
-    # On the first message of a choice that asked for them: one record per prompt token
-    # after the first (which has no context to be scored in), in prompt order.
+    # On choice 0's first message of a request that asked for them: one record per prompt
+    # token after the first (which has no context to be scored in), in prompt order.
     prompt_logprobs: list[TokenLogprob] | None = None
     worker_id: str = ""  # the worker that produced these tokens (the gateway's timeline)
 

@@ -18,6 +18,7 @@ from common.structured import StructuredOutput
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # entries: every message carrying the params carries them all
 
 
 class SamplingError(InvalidRequestError):
@@ -69,6 +70,8 @@ class SamplingParams:
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"allows at most {MAX_LOGIT_BIAS} entries")
         _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
                "logit_bias", "token ids must be >= 0 and biases in [-100, 100]")
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,

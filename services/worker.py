@@ -305,8 +305,7 @@ class WorkerService:
             if meta is None:
                 continue
             if u.error is not None:  # the engine ended it (a structured-output matcher failed)
-                self.engine.abort(u.request_id)
-                self.clock.forget(u.request_id)
+                self._on_abort(u.request_id)  # its transfers and arriving KV too
                 self._fail(u.request_id, meta.reply_to, u.error)
                 continue
             first = meta.first_token is None

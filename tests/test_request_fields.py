@@ -40,6 +40,12 @@ def test_logit_bias_beyond_the_logits_is_skipped_not_indexed():
     assert Sampler([9]).adjust(torch.zeros(1, 4), [seq]).tolist() == [[0.0, 5.0, 0.0, 0.0]]
 
 
+def test_logit_bias_entries_are_bounded_where_params_are_built():
+    SamplingParams(logit_bias=tuple((t, 1.0) for t in range(1024)))
+    with pytest.raises(ValueError, match="at most 1024"):  # a peer's message too, not only HTTP
+        SamplingParams(logit_bias=tuple((t, 1.0) for t in range(1025)))
+
+
 def test_plus_100_forces_a_token_and_minus_100_bans_the_greedy_one(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     [plain] = engine.generate([PROMPT], SamplingParams(max_tokens=8, **GREEDY))

@@ -306,6 +306,27 @@ def test_a_grammar_that_fails_in_the_worker_fails_only_its_request(tiny_model_di
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
+@pytest.mark.parametrize("spec", ["[" * 50000, '{"type": "string", "minLength": 99999999999999999999}'])
+def test_a_spec_no_gateway_checked_fails_only_its_request(tiny_model_dir, spec):
+    """A peer may send what the gateway would have refused: that request ends with an
+    error, the step and the other request go on, and every block comes back."""
+    engine = make_engine(tiny_model_dir)
+    bad = engine.add_request([1, 2, 3], SamplingParams(
+        max_tokens=8, structured=StructuredOutput(StructuredKind.JSON, spec)))
+    good = engine.add_request([1, 2, 3], json_params())
+    errors, done = {}, {}
+    while engine.has_unfinished:
+        for u in engine.step():
+            if u.error is not None:
+                errors[u.request_id] = u.error
+                engine.abort(u.request_id)
+            elif u.finish_reason is not None and (out := engine.finished_output(u.request_id)):
+                done[u.request_id] = out
+    assert "cannot be compiled" in errors[bad] and list(done) == [good]
+    assert_valid(texts(done.values()))
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
 def test_structured_needs_a_tokenizer(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     engine.constraints.tokenizer = None

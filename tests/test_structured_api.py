@@ -89,6 +89,13 @@ def test_text_and_absent_ask_for_nothing(tok):  # noqa: F811
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag",
      "not supported"),
     ({"structured_outputs": [1]}, "structured_outputs", "must be an object"),
+    ({"structured_outputs": {"choice": 0}}, "structured_outputs.choice", "list of strings"),
+    # what only llguidance refuses (a number past 64 bits, a lone surrogate): still a 400
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "minLength": 10**30}}}}, "response_format.json_schema.schema",
+     "cannot be compiled"),
+    ({"structured_outputs": {"regex": "\ud800"}}, "structured_outputs.regex", "cannot be compiled"),
+    ({"structured_outputs": {"json": "[" * 50000}}, "structured_outputs.json", "cannot be compiled"),
     ({"guided_regex": "[a-", }, "guided_regex", "unclosed character class"),
     ({"guided_choice": [1, 2]}, "guided_choice", "list of strings"),
     ({"guided_json": {"type": 3}}, "guided_json", "invalid json_schema"),

@@ -112,6 +112,14 @@ BAD = [
      "messages.[1].tool_calls.[0].function.arguments", "JSON object"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]},
      "messages.[1].tool_calls.[0].function.name", "a string"),
+    # lone surrogates (valid JSON escapes) the tokenizer could not take: 400s, not 500s
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {
+        "name": "f", "arguments": '{"a": "\\ud800"}'}}]}]},
+     "messages.[1].tool_calls.[0].function.arguments", "JSON object"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": "\ud800"}}]}]},
+     "messages.[1].tool_calls.[0].function.name", "a string"),
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "\ud800", "content": "x"}]},
+     "messages.[1].tool_call_id", "a string"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": 1, "function": {
         "name": "f"}}]}]}, "messages.[1].tool_calls.[0].id", "a string"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"type": "x", "function": {

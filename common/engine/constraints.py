@@ -136,22 +136,26 @@ class Constraints:
                 c = SeqConstraint(self._grammar_cache().new_matcher(seq.params.structured))
             except InvalidRequestError as e:  # a spec that compiles for no tokenizer of ours
                 c = SeqConstraint(None, error=e.message)
+            except Exception as e:  # noqa: BLE001 - a peer's spec must fail its request, not the step
+                c = SeqConstraint(None, error=f"the output constraint cannot be compiled: {e!r}"[:500])
             seq.constraint = c
         if c.error is None:
             self._catch_up(seq, c)
         return c
 
     def _catch_up(self, seq: Sequence, c: SeqConstraint) -> None:
-        output = seq.token_ids[seq.num_prompt_tokens - seq.params.structured.num_output_in_prompt :]
+        ids = seq.token_ids
+        start = seq.num_prompt_tokens - seq.params.structured.num_output_in_prompt
         done = len(c.consumed)
-        if done > len(output) or (done and output[done - 1] != c.consumed[-1]):
+        if done > len(ids) - start or (done and ids[start + done - 1] != c.consumed[-1]):
             # The output no longer extends what was consumed: rewind to what they share.
-            done = _common_prefix(c.consumed, output)
+            done = _common_prefix(c.consumed, ids[start:])
             fed = len(c.consumed) - c.num_after_stop
             c.matcher.rollback(max(0, fed - done))
             c.num_after_stop = max(0, c.num_after_stop - (len(c.consumed) - max(done, fed)))
             del c.consumed[done:]
-        for token in output[done:]:
+        for i in range(start + done, len(ids)):  # only what is new: no copy of the output
+            token = ids[i]
             if c.matcher.is_stopped():  # complete: what follows is EOS (ignore_eos goes on)
                 c.num_after_stop += 1
             elif not c.matcher.consume_token(token):

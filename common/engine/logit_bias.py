@@ -9,6 +9,7 @@ skipped rather than indexed, so a mismatch can never crash a step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as Seq
 
 import torch
@@ -16,20 +17,29 @@ import torch
 from common.engine.request import Sequence
 
 
+@functools.lru_cache(maxsize=1024)  # one entry per distinct bias map (clients repeat theirs)
+def _columns(bias: tuple[tuple[int, float], ...], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's (token ids, biases) as CPU tensors, ids past the logits' width left out."""
+    kept = [(t, b) for t, b in bias if t < vocab]
+    return (torch.tensor([t for t, _ in kept], dtype=torch.long),
+            torch.tensor([b for _, b in kept], dtype=torch.float32))
+
+
 def apply_logit_bias(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     """[S, V] logits → the same with each row's biases added (a copy only if any)."""
-    rows: list[int] = []
-    cols: list[int] = []
-    values: list[float] = []
+    rows: list[torch.Tensor] = []
+    cols: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     vocab = logits.shape[1]
     for i, s in enumerate(seqs):
-        for token, bias in s.params.logit_bias:
-            if token < vocab:
-                rows.append(i)
-                cols.append(token)
-                values.append(bias)
+        if s.params.logit_bias:
+            c, v = _columns(s.params.logit_bias, vocab)
+            rows.append(torch.full_like(c, i))
+            cols.append(c)
+            values.append(v)
     if not rows:
         return logits
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-    bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    device = logits.device
+    index = (torch.cat(rows).to(device), torch.cat(cols).to(device))
+    bias = torch.cat(values).to(device=device, dtype=logits.dtype)
     return logits.index_put(index, bias, accumulate=True)

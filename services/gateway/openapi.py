@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.sampling_params import MAX_N
+from common.sampling_params import MAX_LOGIT_BIAS, MAX_N
 from services.gateway.parsing import (
     MAX_CHAT_TOP_LOGPROBS,
     MAX_COMPLETION_LOGPROBS,
-    MAX_LOGIT_BIAS,
     MAX_PROMPT_LOGPROBS,
     MAX_STOP,
 )

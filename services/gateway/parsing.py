@@ -19,7 +19,7 @@ from typing import Any, Literal
 from common.errors import InvalidRequestError
 from common.model.tokenizer import Tokenizer
 from common.rules import check_context, check_logit_bias
-from common.sampling_params import SamplingError, SamplingParams
+from common.sampling_params import MAX_LOGIT_BIAS, SamplingError, SamplingParams
 from services.gateway.errors import APIError, shown
 from services.gateway.prompts import chat_prompt, parse_prompt
 from services.gateway.structured import parse_structured
@@ -33,7 +33,6 @@ MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
 # Scored prompt tokens times (1 + alternatives): their records travel in one Tokens message,
 # which must stay well inside the wire's bound (about 22 bytes an entry at worst).
 MAX_PROMPT_LOGPROB_ENTRIES = 2**18
-MAX_LOGIT_BIAS = 1024  # entries: every message carrying the params carries them all
 # Sampling fields handed to SamplingParams.from_dict as sent: OpenAI's, then vLLM's extras.
 _SAMPLING_KEYS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty",
                   "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",

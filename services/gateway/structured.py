@@ -91,7 +91,7 @@ def _structured_outputs(so: Any) -> list[tuple[str, StructuredOutput]]:
     if not isinstance(so, Mapping):
         raise APIError.invalid(f"{where} must be an object, got {shown(so)}", where)
     chosen = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-              if so.get(k) not in (None, False)]
+              if not (so.get(k) is None or so.get(k) is False)]  # 0 is not "absent"
     unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"} - _IGNORED_KEYS)
     if unknown:
         raise APIError.invalid(f"{where}.{unknown[0]} is not supported by this server",
@@ -128,6 +128,8 @@ def _json(schema: Any, where: str, strict: bool) -> StructuredOutput:
             schema = json.loads(schema)
         except ValueError as e:
             raise APIError.invalid(f"{where} is not valid JSON: {e}", where) from None
+        except RecursionError:
+            raise APIError.invalid(f"{where} cannot be compiled: nested too deeply", where) from None
     try:
         return structured_from_json_schema(schema, strict=strict)
     except GrammarError as e:

@@ -23,7 +23,7 @@ from typing import Any
 
 from services.gateway.errors import APIError, shown
 from services.gateway.tool_parsers import RenderingParser
-from services.gateway.tools import Tool
+from services.gateway.tools import Tool, is_text
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 _PREAMBLE = ("You can call functions to help with the request. Each one is described by a "
@@ -47,19 +47,19 @@ def _call(value: Any, where: str) -> dict[str, Any]:
     if value.get("type", "function") != "function":
         raise APIError.invalid(f"{where}.type must be 'function'", f"{where}.type")
     call_id = value.get("id")
-    if call_id is not None and not isinstance(call_id, str):
+    if call_id is not None and not is_text(call_id):
         raise APIError.invalid(f"{where}.id must be a string, got {shown(call_id)}", f"{where}.id")
     function = value.get("function")
     if not isinstance(function, Mapping):
         raise APIError.invalid(f"{where}.function must be an object, got {shown(function)}",
                                f"{where}.function")
     name = function.get("name")
-    if not isinstance(name, str) or not name:
+    if not is_text(name) or not name:
         raise APIError.invalid(f"{where}.function.name must be a string, got {shown(name)}",
                                f"{where}.function.name")
     raw = function.get("arguments", "{}")
-    arguments = _arguments(raw) if isinstance(raw, str) else None
-    if not isinstance(arguments, dict):
+    arguments = _arguments(raw) if is_text(raw) else None
+    if not isinstance(arguments, dict) or not is_text(json.dumps(arguments, ensure_ascii=False)):
         raise APIError.invalid(f"{where}.function.arguments must be a JSON object as a "
                                "string", f"{where}.function.arguments")
     out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
@@ -80,7 +80,7 @@ def tool_result(m: Mapping[str, Any], where: str) -> dict[str, str]:
     call_id = m.get("tool_call_id")
     if call_id is None:
         return {}
-    if not isinstance(call_id, str):
+    if not is_text(call_id):
         raise APIError.invalid(f"{where}.tool_call_id must be a string, got {shown(call_id)}",
                                f"{where}.tool_call_id")
     return {"tool_call_id": call_id}

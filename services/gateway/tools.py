@@ -223,7 +223,7 @@ def _tool(where: str, value: Any) -> Tool:
         raise APIError.invalid(f"{where}.function.name must be 1 to 64 letters, digits, '_' or "
                                f"'-', got {shown(name)}", f"{where}.function.name")
     description = function.get("description")
-    if description is not None and not _is_text(description):
+    if description is not None and not is_text(description):
         raise APIError.invalid(f"{where}.function.description must be a string, got "
                                f"{shown(description)}", f"{where}.function.description")
     parameters = function.get("parameters")
@@ -233,7 +233,8 @@ def _tool(where: str, value: Any) -> Tool:
     return Tool(name, parameters, description)
 
 
-def _is_text(value: Any) -> bool:
+def is_text(value: Any) -> bool:
+    """A string the tokenizer can take (no lone surrogate)."""
     if not isinstance(value, str):
         return False
     try:
