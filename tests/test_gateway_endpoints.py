@@ -415,3 +415,19 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
     assert failed["status"] == "failed" and failed["id"] == "resp_x"
     assert failed["error"] == {"code": "service_unavailable_error", "message": "the worker died"}
     assert failed["instructions"] == "Be brief."
+
+
+@pytest.mark.parametrize(("param", "has_instructions", "input_is_text", "renamed"), [
+    ("messages.[1].content", True, False, "input.[0].content"),
+    ("messages.[0].content", True, False, "instructions"),
+    ("messages.[2]", False, False, "input.[2]"),
+    ("messages.[1].content", True, True, "input"),
+    ("messages", True, False, "input"),
+    ("max_tokens", False, False, "max_output_tokens"),
+])
+def test_a_chat_error_names_the_responses_field(param, has_instructions, input_is_text, renamed):
+    from services.gateway.errors import APIError
+    from services.gateway.responses_api import _renamed
+
+    error = _renamed(APIError.invalid("bad", param), has_instructions, input_is_text)
+    assert error.param == renamed

@@ -22,6 +22,7 @@ than text (images, files, audio).
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -102,7 +103,7 @@ def parse_responses(body: Any, gw: Gateway) -> ResponsesRequest:
     try:
         parsed = gw.parse("chat", chat)
     except APIError as e:
-        raise _renamed(e) from None
+        raise _renamed(e, instructions is not None, isinstance(body.get("input"), str)) from None
     parsed = replace(parsed, request_id="resp_" + uuid.uuid4().hex)
     return ResponsesRequest(parsed, instructions, body.get("max_output_tokens"),
                             _metadata(body.get("metadata")))
@@ -191,11 +192,17 @@ def _metadata(value: Any) -> dict[str, str]:
     return dict(value)
 
 
-def _renamed(e: APIError) -> APIError:
-    """A chat parser's error with the field names this route's client used."""
+def _renamed(e: APIError, has_instructions: bool, input_is_text: bool) -> APIError:
+    """A chat parser's error with the field names this route's client used: a message's
+    index counts from ``input``'s first item (``instructions`` became message 0)."""
     param = e.param or ""
     head, dot, rest = param.partition(".")
-    if head in _RENAMED:
+    if head == "messages" and (m := re.match(r"\[(\d+)\]", rest)):
+        index = int(m.group(1)) - has_instructions
+        tail = rest[m.end():]
+        param = ("instructions" if index < 0 else "input" if input_is_text  # the one string
+                 else f"input.[{index}]{tail}")
+    elif head in _RENAMED:
         param = _RENAMED[head] + dot + rest
     message = e.message.replace("max_tokens", "max_output_tokens")
     return APIError(e.status, message, param=param or None, code=e.code, type=e.type,
