@@ -751,3 +751,28 @@ def test_tokenize_counts_a_conversation_with_tools_as_chat_is_charged(scripted, 
     assert r.json()["tokens"] == chat(tok, messages=HISTORY, tools=TOOLS).prompt_token_ids
     bad = httpx.post(f"{gw.url}/tokenize", json={**body, "tools": [{"type": "x"}]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.[0].type"
+
+
+def test_long_calls_streamed_side_by_side_assemble_to_their_own_arguments():
+    """Calls long enough that the scanner resumes where its last look stopped, two streams
+    at once whose texts share the offset and the first part but then differ: each one's
+    deltas add up to its own arguments, as the non-streamed parse reads them."""
+    def args(tag: str) -> str:
+        late = tag if tag == "one" else [tag, [tag, {"e": tag}]]  # other lengths and depths
+        rows = [{"k": i, "v": "x{}" * 3, "n": [i, {"d": late if i > 400 else "same"}]}
+                for i in range(800)]
+        return json.dumps({"rows": rows, "s": 'a " quote } and ] in a string'})
+
+    texts = {tag: f'<tool_call>{{"name": "f", "arguments": {args(tag)}}}</tool_call>'
+             for tag in ("one", "two")}
+    assert 20000 < len(texts["one"]) < len(texts["two"])
+    streams = {tag: ToolCallStream(HermesParser()) for tag in texts}
+    pieces: dict[str, list[str]] = {tag: [] for tag in texts}
+    for i in range(0, len(texts["two"]), 7):
+        for tag, text in texts.items():  # interleaved: one shared scanner memo, two texts
+            delta = streams[tag].push(text[i:i + 7])
+            pieces[tag] += [c["function"].get("arguments", "") for c in delta.tool_calls]
+    for tag, stream in streams.items():
+        pieces[tag] += [c["function"].get("arguments", "") for c in stream.finish().tool_calls]
+        [call] = HermesParser().parse(texts[tag]).calls
+        assert "".join(pieces[tag]) == call.arguments == args(tag)

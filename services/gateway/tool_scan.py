@@ -36,6 +36,39 @@ def string_end(text: str, i: int) -> int | None:
     return m.end() if m else None
 
 
+class _Resume:
+    """Where unfinished scans of objects and arrays stopped: (start, the text scanned, the
+    position, the depth). A stream asks again about the same growing text after each
+    piece; starting from where the last scan stopped, once the scanned text is checked
+    unchanged (a compare in C), keeps each piece's cost to its own characters instead of
+    the whole call's, so a long streamed call is linear, not quadratic. The state after a
+    stretch of text depends only on that text, so entries are shared: concurrent streams
+    calling one function start their arguments at one offset, and each finds its own."""
+
+    MAX_ENTRIES = 128
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[int, str, int, int]] = []
+
+    def get(self, text: str, i: int) -> tuple[int, int]:
+        best = None
+        for entry in self._entries:
+            if entry[0] == i and (best is None or entry[2] > best[2]) and text.startswith(entry[1], i):
+                best = entry
+        return (best[2], best[3]) if best is not None else (i, 0)
+
+    def put(self, text: str, i: int, j: int, depth: int) -> None:
+        if j - i < 4096:  # short scans are cheap to redo
+            return
+        # What this scan extends is superseded by it.
+        self._entries = [e for e in self._entries if not (e[0] == i and text.startswith(e[1], i))]
+        self._entries.append((i, text[i:j], j, depth))
+        del self._entries[:-self.MAX_ENTRIES]
+
+
+_RESUME = _Resume()
+
+
 def value_end(text: str, i: int) -> int | None:
     """Past the JSON value starting at ``i``; None when the text ends before it does."""
     c = text[i]
@@ -44,19 +77,21 @@ def value_end(text: str, i: int) -> int | None:
     if c not in "{[":
         end = _PRIMITIVE.match(text, i).end()
         return end if end < len(text) else None  # "12" may still become "123"
-    depth, j = 0, i
+    j, depth = _RESUME.get(text, i)
     while (m := _INTERESTING.search(text, j)) is not None:
-        j = m.start()
-        if text[j] == '"':
-            end = string_end(text, j)
+        at = m.start()
+        if text[at] == '"':
+            end = string_end(text, at)
             if end is None:
+                _RESUME.put(text, i, j, depth)  # before the open string
                 return None
             j = end
             continue
-        depth += 1 if text[j] in "{[" else -1
-        j += 1
+        depth += 1 if text[at] in "{[" else -1
+        j = at + 1
         if depth == 0:
             return j
+    _RESUME.put(text, i, j, depth)
     return None
 
 
