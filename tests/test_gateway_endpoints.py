@@ -427,7 +427,7 @@ def test_a_stream_that_fails_ends_with_error_and_response_failed():
 ])
 def test_a_chat_error_names_the_responses_field(param, has_instructions, input_is_text, renamed):
     from services.gateway.errors import APIError
-    from services.gateway.responses_api import _renamed
+    from services.gateway.responses_api import responses_error
 
-    error = _renamed(APIError.invalid("bad", param), has_instructions, input_is_text)
+    error = responses_error(APIError.invalid("bad", param), has_instructions, input_is_text)
     assert error.param == renamed

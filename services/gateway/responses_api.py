@@ -103,7 +103,7 @@ def parse_responses(body: Any, gw: Gateway) -> ResponsesRequest:
     try:
         parsed = gw.parse("chat", chat)
     except APIError as e:
-        raise _renamed(e, instructions is not None, isinstance(body.get("input"), str)) from None
+        raise responses_error(e, instructions is not None, isinstance(body.get("input"), str)) from None
     parsed = replace(parsed, request_id="resp_" + uuid.uuid4().hex)
     return ResponsesRequest(parsed, instructions, body.get("max_output_tokens"),
                             _metadata(body.get("metadata")))
@@ -192,7 +192,7 @@ def _metadata(value: Any) -> dict[str, str]:
     return dict(value)
 
 
-def _renamed(e: APIError, has_instructions: bool, input_is_text: bool) -> APIError:
+def responses_error(e: APIError, has_instructions: bool, input_is_text: bool) -> APIError:
     """A chat parser's error with the field names this route's client used: a message's
     index counts from ``input``'s first item (``instructions`` became message 0)."""
     param = e.param or ""
