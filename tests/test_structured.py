@@ -278,6 +278,20 @@ def test_regex_and_choice_outputs_match(tiny_model_dir):
         assert text in ("alpha", "beta gamma", "δ"), text
 
 
+def run_failing(engine) -> tuple[dict, dict]:
+    """Step to the end as a worker does: (errors by request, finished outputs by request);
+    a request the engine ended with an error is aborted, as the worker aborts it."""
+    errors, done = {}, {}
+    while engine.has_unfinished:
+        for u in engine.step():
+            if u.error is not None:
+                errors[u.request_id] = u.error
+                engine.abort(u.request_id)
+            elif u.finish_reason is not None and (out := engine.finished_output(u.request_id)):
+                done[u.request_id] = out
+    return errors, done
+
+
 def test_a_grammar_that_fails_in_the_worker_fails_only_its_request(tiny_model_dir, monkeypatch):
     from common.grammar import GrammarCache
 
@@ -293,14 +307,7 @@ def test_a_grammar_that_fails_in_the_worker_fails_only_its_request(tiny_model_di
     bad = engine.add_request([1, 2, 3], SamplingParams(
         max_tokens=8, structured=StructuredOutput(StructuredKind.REGEX, "a+")))
     good = engine.add_request([1, 2, 3], json_params())
-    errors, done = {}, {}
-    while engine.has_unfinished:
-        for u in engine.step():
-            if u.error is not None:
-                errors[u.request_id] = u.error
-                engine.abort(u.request_id)
-            elif u.finish_reason is not None and (out := engine.finished_output(u.request_id)):
-                done[u.request_id] = out
+    errors, done = run_failing(engine)
     assert "too complex" in errors[bad] and list(done) == [good]
     assert_valid(texts(done.values()))
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
@@ -314,14 +321,7 @@ def test_a_spec_no_gateway_checked_fails_only_its_request(tiny_model_dir, spec):
     bad = engine.add_request([1, 2, 3], SamplingParams(
         max_tokens=8, structured=StructuredOutput(StructuredKind.JSON, spec)))
     good = engine.add_request([1, 2, 3], json_params())
-    errors, done = {}, {}
-    while engine.has_unfinished:
-        for u in engine.step():
-            if u.error is not None:
-                errors[u.request_id] = u.error
-                engine.abort(u.request_id)
-            elif u.finish_reason is not None and (out := engine.finished_output(u.request_id)):
-                done[u.request_id] = out
+    errors, done = run_failing(engine)
     assert "cannot be compiled" in errors[bad] and list(done) == [good]
     assert_valid(texts(done.values()))
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
