@@ -86,3 +86,21 @@ def shown(value: Any) -> str:
     text = json.dumps(value[:80] if isinstance(value, str) else value)
     return text if len(text) <= 60 else text[:57] + "..."
 
+
+def is_text(value: Any) -> bool:
+    """A string the tokenizer can take: JSON may carry a lone surrogate ("\\ud800"), on
+    which the tokenizer raises."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unicode_text(text: str, where: str) -> str:
+    """``text`` as it is, or a 400 on ``where`` for a lone surrogate."""
+    if not is_text(text):
+        raise APIError.invalid(f"{where} is not valid Unicode text (unpaired surrogate)", where)
+    return text

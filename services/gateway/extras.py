@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from common.errors import InvalidRequestError
 from common.rules import check_token_ids
 from services.gateway import openapi, responses
-from services.gateway.errors import APIError, shown
+from services.gateway.errors import APIError, shown, unicode_text
 from services.gateway.guards import read_body
 from services.gateway.parsing import parse_json
 from services.gateway.prompts import parse_messages, render_chat
@@ -111,12 +111,7 @@ def _prompt_ids(gw: Gateway, body: Mapping[str, Any], special: bool) -> list[int
     if not isinstance(prompt, str):
         raise APIError.invalid(f"prompt must be a string, got {shown(prompt)}", "prompt")
     _check_size(len(prompt), "prompt")
-    try:
-        prompt.encode("utf-8")  # JSON may carry a lone surrogate; the tokenizer would raise
-    except UnicodeEncodeError as e:
-        raise APIError.invalid("prompt is not valid Unicode text (unpaired surrogate)",
-                               "prompt") from e
-    return gw.tokenizer.encode(prompt, add_special_tokens=special)
+    return gw.tokenizer.encode(unicode_text(prompt, "prompt"), add_special_tokens=special)
 
 
 def _chat_ids(gw: Gateway, body: Mapping[str, Any], special: bool) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 from common.errors import InvalidRequestError
 from common.model.tokenizer import ChatTemplateError, Tokenizer
 from common.rules import check_token_ids
-from services.gateway.errors import APIError, shown
+from services.gateway.errors import APIError, shown, unicode_text
 from services.gateway.tool_parsers import DEFAULT_PARSER, RenderingParser, rendering_parser
 from services.gateway.tool_prompts import assistant_calls, prepare, tool_result
 from services.gateway.tools import Tool
@@ -80,7 +80,7 @@ def _message(i: int, m: Any) -> dict[str, Any]:
 
 def _content(value: Any, where: str) -> str:
     if isinstance(value, str):
-        return _utf8(value, where)
+        return unicode_text(value, where)
     if not isinstance(value, list):
         raise APIError.invalid(f"{where} must be a string or an array of text parts, got "
                                f"{shown(value)}", where)
@@ -94,7 +94,7 @@ def _content(value: Any, where: str) -> str:
         if kind != "text" or not isinstance(part.get("text"), str):
             raise APIError.invalid(f"{at} must be a text part {{\"type\": \"text\", \"text\": "
                                    "\"...\"}", at)
-        texts.append(_utf8(part["text"], at))
+        texts.append(unicode_text(part["text"], at))
     return "\n".join(texts)  # how vLLM joins text parts
 
 
@@ -121,7 +121,7 @@ def parse_prompt(value: Any, tokenizer: Tokenizer | None, vocab: int | None) -> 
     if tokenizer is None:
         raise APIError.invalid("this model has no tokenizer: send the prompt as token ids",
                                "prompt")
-    ids = tokenizer.encode(_utf8(value, "prompt"))
+    ids = tokenizer.encode(unicode_text(value, "prompt"))
     if not ids:
         raise APIError.invalid("prompt must not be empty", "prompt")
     return Prompt(ids, value)
@@ -136,11 +136,3 @@ def parse_token_ids(value: list[Any], vocab: int | None) -> list[int]:
     return list(value)
 
 
-def _utf8(text: str, where: str) -> str:
-    # JSON may carry lone surrogates ("\ud800"); the tokenizer raises TypeError on them.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError.invalid(f"{where} is not valid Unicode text (unpaired surrogate)",
-                               where) from e
-    return text

@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from services.gateway import generation, openapi
-from services.gateway.errors import APIError, shown
+from services.gateway.errors import APIError, shown, unicode_text
 from services.gateway.parsing import ParsedRequest
 from services.gateway.responses_events import ResponsesStream, response_object
 
@@ -126,7 +126,7 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
     if value is None:
         raise APIError.invalid("Missing required parameter: 'input'.", "input")
     if isinstance(value, str):
-        return [{"role": "user", "content": _utf8(value, "input")}]
+        return [{"role": "user", "content": unicode_text(value, "input")}]
     if not isinstance(value, list) or not value:
         raise APIError.invalid(f"input must be a string or a non-empty array of message "
                                f"items, got {shown(value)}", "input")
@@ -151,7 +151,7 @@ def _item(i: int, item: Any) -> dict[str, Any]:
 def _content(value: Any, where: str) -> str | list[dict[str, str]]:
     """A string, or the text parts as chat text parts (the chat parser checks the text)."""
     if isinstance(value, str):
-        return _utf8(value, where)
+        return unicode_text(value, where)
     if not isinstance(value, list):
         raise APIError.invalid(f"{where} must be a string or an array of input_text parts, "
                                f"got {shown(value)}", where)
@@ -162,26 +162,15 @@ def _content(value: Any, where: str) -> str | list[dict[str, str]]:
         if kind not in PARTS or not isinstance(part.get("text"), str):
             raise APIError.invalid(f"{at} must be a text part {{\"type\": \"input_text\", "
                                    f"\"text\": \"...\"}}, got {shown(kind or part)}", at)
-        parts.append({"type": "text", "text": _utf8(part["text"], at)})
+        parts.append({"type": "text", "text": unicode_text(part["text"], at)})
     return parts
-
-
-def _utf8(text: str, where: str) -> str:
-    # Checked here so that the chat parser, whose messages are numbered differently (the
-    # instructions come first), has nothing to say about the input's text.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError.invalid(f"{where} is not valid Unicode text (unpaired surrogate)",
-                               where) from e
-    return text
 
 
 def _optional_str(body: Mapping[str, Any], name: str) -> str | None:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
         raise APIError.invalid(f"{name} must be a string, got {shown(value)}", name)
-    return value if value is None else _utf8(value, name)
+    return value if value is None else unicode_text(value, name)
 
 
 def _metadata(value: Any) -> dict[str, str]:

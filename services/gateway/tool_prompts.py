@@ -21,9 +21,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from services.gateway.errors import APIError, shown
+from services.gateway.errors import APIError, is_text, shown
 from services.gateway.tool_parsers import RenderingParser
-from services.gateway.tools import Tool, is_text
+from services.gateway.tools import Tool
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 _PREAMBLE = ("You can call functions to help with the request. Each one is described by a "

@@ -24,7 +24,7 @@ from typing import Any
 from common.grammar import GrammarError, check
 from common.sampling_params import SamplingParams
 from common.structured import StructuredKind, StructuredOutput
-from services.gateway.errors import APIError, shown
+from services.gateway.errors import APIError, is_text, shown
 from services.gateway.tool_parsers import (
     NamedParser,
     RequiredParser,
@@ -231,17 +231,6 @@ def _tool(where: str, value: Any) -> Tool:
         parameters = _NO_PARAMETERS
     _check_schema(parameters, f"{where}.function.parameters")
     return Tool(name, parameters, description)
-
-
-def is_text(value: Any) -> bool:
-    """A string the tokenizer can take (no lone surrogate)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: the tokenizer could not take it
-        return False
-    return True
 
 
 def _check_schema(schema: Any, where: str) -> None:
