@@ -94,3 +94,41 @@ def test_the_router_command_does_not_load_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+# Imported by the product but not its own runtime dependency, each for a reason: fastapi
+# brings starlette; Triton and UCX are for machines that have them (imported only there).
+NOT_RUNTIME_DEPENDENCIES = {"starlette", "triton", "ucxx-cu12"}
+
+
+def test_every_package_the_product_imports_is_a_runtime_dependency():
+    """A package only the dev extra installs passes every test and fails a user's plain
+    ./setup.sh (jsonschema did: every request with tools was a 500). Imports inside
+    functions count too."""
+    import importlib.metadata
+    import re
+
+    tomllib = pytest.importorskip("tomllib")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    runtime = {re.split(r"[<>=!~;\[ ]", d)[0].lower().replace("_", "-") for d in declared}
+    dists = importlib.metadata.packages_distributions()
+    first_party = {"cli", "common", "services", "kernels", "loadtest", "tests"}
+    missing: dict[str, set[str]] = {}
+    for top in ("common", "services", "cli", "kernels"):
+        for path in (ROOT / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    module = name.split(".")[0]
+                    if module in first_party or module in sys.stdlib_module_names:
+                        continue
+                    for dist in dists.get(module, [module]):
+                        dist = dist.lower().replace("_", "-")
+                        if dist not in runtime and dist not in NOT_RUNTIME_DEPENDENCIES:
+                            missing.setdefault(dist, set()).add(str(path.relative_to(ROOT)))
+    assert missing == {}
