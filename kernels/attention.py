@@ -107,6 +107,7 @@ class TorchBackend:
         self._float = _CacheOps(reference.write_kv, self._c_decode or reference.paged_decode_attention,
                                 reference.gather_kv)
         self.name = "torch+c" if self._c_decode else "torch"
+        self.c_decode_f32 = self._c_decode is not None  # float32 decodes run the C kernel
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         quantized = isinstance(k_cache, QuantizedCache)

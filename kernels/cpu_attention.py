@@ -24,7 +24,7 @@ from kernels.cpu_build import CFLAGS, LIBS, build_key, cache_dir, openmp_runtime
 from kernels.kv_quant import KVQuant, QuantizedCache
 
 __all__ = [
-    "CFLAGS", "LIBS", "SOURCE", "available", "bind", "build_flags", "build_key", "cache_dir",
+    "CFLAGS", "LIBS", "SOURCE", "available", "bind", "build_flags", "build_key", "cache_dir", "entry_point",
     "library_path", "openmp_runtimes", "paged_decode_attention",
     "paged_decode_attention_quantized", "unavailable_reason",
 ]  # fmt: skip
@@ -93,6 +93,12 @@ def unavailable_reason(cache_dtype: torch.dtype | KVQuant = torch.float32) -> st
     if cache_dtype not in _VARIANTS:
         return f"no kernel for {cache_dtype} caches"
     return _loader.reason(cache_dtype)
+
+
+def entry_point(cache_dtype: torch.dtype | KVQuant = torch.float32) -> ctypes._CFuncPtr:
+    """The C function for caches of ``cache_dtype`` (RuntimeError if it did not build),
+    for C callers such as ``kernels.cpu_decode`` that take its address."""
+    return _loader.require(cache_dtype)
 
 
 def _check_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -72,6 +72,12 @@ def unavailable_reason() -> str | None:
     return _loader.reason(None)
 
 
+def entry_points() -> Kernel:
+    """The library's C functions (RuntimeError if it did not build), for C callers
+    such as ``kernels.cpu_decode`` that take their addresses."""
+    return _loader.require(None)
+
+
 def check_operand(x: torch.Tensor, k: int) -> None:
     """ValueError unless ``x`` is a CPU float32 [M, k] operand (this kernel's, and the
     quantised one's in ``kernels.cpu_quant``)."""

@@ -71,6 +71,12 @@ def unavailable_reason() -> str | None:
     return _loader.reason(None)
 
 
+def entry_points() -> Kernel:
+    """The library's C functions (RuntimeError if it did not build), for C callers
+    such as ``kernels.cpu_decode`` that take their addresses."""
+    return _loader.require(None)
+
+
 def _rows(t: torch.Tensor, name: str, cols: int | None = None) -> int:
     """The row stride of 2-d CPU float32 ``t`` with contiguous rows; ValueError otherwise."""
     if t.dim() != 2 or t.dtype is not _f32 or not t.is_cpu:

@@ -71,6 +71,17 @@ def unavailable_reason() -> str | None:
     return _loader.reason(None)
 
 
+def entry_points() -> Kernel:
+    """The library's C functions (RuntimeError if it did not build), for C callers
+    such as ``kernels.cpu_decode`` that take their addresses."""
+    return _loader.require(None)
+
+
+def format_code(fmt: QuantFormat) -> int:
+    """``fmt`` as the C entry points number it."""
+    return _FMT[fmt]
+
+
 def set_portable(flag: bool) -> None:
     """Force the portable C path (True) or let the CPU decide (False), process-wide."""
     _loader.require(None).set_portable(1 if flag else 0)

@@ -31,6 +31,11 @@ from kernels import cpu_memory, kv_quant
 from kernels.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from kernels.kv_quant import KVQuant
 
+# A step whose prefill chunks all have at most this many new tokens runs every token as a
+# decode row (``ModelRunner._decode_rows``): speculative verification (1 + k tokens) and
+# short tails stay on the decode kernel, and on the CPU in the one-call decode loop.
+DECODE_ROWS_MAX = 8
+
 
 @dataclass(slots=True)
 class StepResult:
@@ -153,6 +158,8 @@ class ModelRunner:
 
     def _metadata(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
                   tables: list[list[int]], slots: list[int]) -> AttentionMetadata:
+        if prefills and all(c.num_new_tokens <= DECODE_ROWS_MAX for c in prefills):
+            return self._decode_rows(decodes + prefills, tables, slots)
         nd = len(decodes)
         spans, start = [], nd
         for row, chunk in enumerate(prefills):
@@ -169,6 +176,27 @@ class ModelRunner:
             prefill_block_tables=self._table_tensor(tables[nd:]),
             prefill_query_start=self._int32([q - nd for q in query_start]),
             prefill_context_lens=self._int32([s.num_context for s in spans]),
+        )
+
+    def _decode_rows(self, chunks: list[ScheduledChunk], tables: list[list[int]],
+                     slots: list[int]) -> AttentionMetadata:
+        """Every token as a decode row: its sequence's block table and a context ending
+        at its own position, which is causal attention over the cache for a short chunk
+        (a draft being verified, a prompt's last few tokens) by the decode kernel, the
+        one plain decoding uses. Each row re-reads its context, so only for short chunks."""
+        row_tables, lens = [], []
+        for chunk, table in zip(chunks, tables, strict=True):
+            row_tables.extend([table] * chunk.num_new_tokens)
+            lens.extend(range(chunk.start + 1, chunk.start + chunk.num_new_tokens + 1))
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode=len(lens),
+            decode_block_tables=self._table_tensor(row_tables),
+            decode_context_lens=self._int32(lens),
+            prefills=[],
+            prefill_block_tables=self._table_tensor([]),
+            prefill_query_start=self._int32([0]),
+            prefill_context_lens=self._int32([]),
         )
 
     def _table_tensor(self, tables: list[list[int]]) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model.spec import ModelSpec
-from kernels import cpu_gemm, cpu_ops, cpu_quant
+from kernels import cpu_decode, cpu_gemm, cpu_ops, cpu_quant
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.cpu_gemm import PackedWeight
 from kernels.cpu_quant import QuantPacked
@@ -121,6 +121,8 @@ class LlamaModel(torch.nn.Module):
         self.packed_lm_head: PackedWeight | QuantPacked | None = None
         self.quantized: dict[str, QuantPacked] = {}  # see quantize
         self.fused_ops = False  # see use_cpu_kernels
+        self.decode_loop = True  # decode steps in one C call where possible (_decode_loop)
+        self._loop: cpu_decode.DecodeLayers | None = None
 
     def quantize(self, weights: Mapping[str, QuantWeight]) -> None:
         """Hold these weights quantised, by parameter name (``embed``, ``lm_head`` when
@@ -216,6 +218,10 @@ class LlamaModel(torch.nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         q = self.quantized.get("embed")
         x = F.embedding(input_ids, self.embed) if q is None else cpu_quant.embedding(q, input_ids)
+        loop = self._decode_loop(kv_cache, meta, backend, x.shape[0])
+        if loop is not None:
+            return loop.run(x, positions, meta.slot_mapping, meta.decode_block_tables,
+                            meta.decode_context_lens, torch.get_num_threads())
         if self.fused_ops:
             delta = None  # each layer's output, added into x by the next
             positions = positions.contiguous()
@@ -229,6 +235,23 @@ class LlamaModel(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend, self.scale)
         return x
+
+    def _decode_loop(self, kv_cache, meta: AttentionMetadata, backend: AttentionBackend,
+                     num_tokens: int) -> cpu_decode.DecodeLayers | None:
+        """The one-call C loop over the layers (``kernels.cpu_decode``) when it computes
+        exactly what the fused path would: decode rows only, a float32 cache, the fused C
+        kernels throughout; else None."""
+        if not (self.decode_loop and self.fused_ops and not meta.prefills
+                and meta.num_decode == num_tokens and getattr(backend, "c_decode_f32", False)
+                and isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.float32):
+            return None
+        loop = self._loop
+        if loop is None or not loop.bound_to(kv_cache):
+            if not cpu_decode.available():
+                self.decode_loop = False
+                return None
+            loop = self._loop = cpu_decode.DecodeLayers(self, kv_cache)
+        return loop
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
