@@ -127,7 +127,7 @@ def test_linear_matches_torch(fmt: QuantFormat, k: int, isa: str) -> None:
     assert (packed.fmt, packed.n, packed.k) == (fmt, n, k) and packed.nbytes == packed.data.numel()
     g = torch.Generator().manual_seed(k + 1)
     b, dense = torch.randn(n, generator=g), w.dequantize().double()
-    for m in (1, 2, 3, 7, 16, 64, 100):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 16, 64, 100):  # every GEMV tile (1-4 rows) and remainder
         x = torch.randn(m, k, generator=g)
         want = x.double() @ dense.T
         assert_matches(cpu_quant.linear(x, packed, num_threads=1), want.float())
@@ -157,7 +157,7 @@ def test_exact_on_small_integers(fmt: QuantFormat, isa: str) -> None:
         w = QuantWeight(fmt, n, k, blocks.reshape(n, -1))
     assert torch.equal(w.dequantize(), q.float())
     packed, b = cpu_quant.pack(w), torch.randint(-8, 8, (n,), generator=g).float()
-    for m in (1, 2, 5, 13):
+    for m in (1, 2, 3, 4, 5, 8, 13):
         x = torch.randint(-8, 8, (m, k), generator=g).float()
         assert torch.equal(cpu_quant.linear(x, packed, b), reference(x, w, b))
 

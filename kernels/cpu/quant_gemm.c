@@ -20,7 +20,9 @@
  * Small M (decode, M <= QG_GEMV_MAX): per panel, per block, t = sum_k x[k]*q[k] for each
  * row of x into several FMA chains (FMA latency), then acc += d*t (Q4_1: + m*sum(x) of the
  * block; Q4_0: - 8d*sum(x)), the block sums of x computed once per call. Each weight byte
- * is read from DRAM once; rows of x in tiles of up to 2 re-read the panel from L1.
+ * is read from DRAM once; rows of x in tiles of up to 4 re-read the panel from L1, and a
+ * tile converts each weight to float once for all its rows (4 rows cost 2x one row, not 4x:
+ * what makes verifying a speculative draft cheap).
  * Larger M: per panel, dequantise it into a float32 [K][16] buffer once (L1/L2), then a
  * 6 x 16 FMA micro-kernel sweeps every row of the M block over it (as packed_gemm.c).
  *

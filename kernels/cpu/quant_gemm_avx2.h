@@ -32,10 +32,20 @@ INLINE TGT void store_row(const Args *a, int64_t m, int64_t n0, __m256 v0, __m25
 }
 
 /* The GEMV keeps eight FMA chains a[0..7] per block (FMA latency): a one-row tile spreads
- * its k over all eight, a two-row tile gives row r a[4r .. 4r+3]. Every index is a literal
- * constant (never a loop counter), so the arrays live in registers. */
+ * its k over all eight, a two-row tile gives row r a[4r .. 4r+3], a three- or four-row
+ * tile gives row r a[2r], a[2r+1] (its two halves of the panel). Wider tiles convert each
+ * weight to float once for all their rows: the conversion, not the FMA, is most of a
+ * row's work. Every index is a literal constant (never a loop counter), so the arrays
+ * live in registers. */
 #define FMA2(xv, w0, w1, i) a[i] = _mm256_fmadd_ps(xv, w0, a[i]), a[i + 1] = _mm256_fmadd_ps(xv, w1, a[i + 1])
 #define BX(p) _mm256_broadcast_ss(p)
+/* Rows 0 .. mr-1 of a wide tile (mr 3 or 4): x[r][k] times the weight pair (w0, w1). */
+#define FMA_ROWS(k, w0, w1)                                           \
+    do {                                                              \
+        FMA2(BX(x[0] + (k)), w0, w1, 0), FMA2(BX(x[1] + (k)), w0, w1, 2); \
+        FMA2(BX(x[2] + (k)), w0, w1, 4);                              \
+        if (mr == 4) FMA2(BX(x[3] + (k)), w0, w1, 6);                 \
+    } while (0)
 
 /* x . q for k in [k0, k1) of int8 quants [k][16] (a Q8_0 block, an INT8_ROW panel). */
 INLINE TGT void dot_s8(const uint8_t *q, const float *x0, const float *x1, int64_t k0, int64_t k1,
@@ -66,6 +76,18 @@ INLINE TGT void dot_s8(const uint8_t *q, const float *x0, const float *x1, int64
     }
 }
 
+/* dot_s8 for a wide tile (mr 3 or 4 rows, x[r] the row pointers). */
+INLINE TGT void dot_s8_wide(const uint8_t *q, const float *const x[4], int64_t k0, int64_t k1,
+                            const int mr, __m256 a[8]) {
+    for (int64_t k = k0; k < k1; k++) {
+#if QG_PF
+        if (k1 - k0 > QK && !((k - k0) & 3)) _mm_prefetch((const char *)q + k * NR + QG_PF, _MM_HINT_T0);
+#endif
+        const __m256 w0 = s8(q + k * NR), w1 = s8(q + k * NR + 8);
+        FMA_ROWS(k, w0, w1);
+    }
+}
+
 /* Byte row i of Q4 nibbles [16][16] as floats: w[0..1] weight i, w[2..3] weight i + 16. */
 INLINE TGT void nibbles(const uint8_t *p, __m256 w[4]) {
     const __m256i mask = _mm256_set1_epi32(15), v0 = u8(p), v1 = u8(p + 8);
@@ -91,11 +113,24 @@ INLINE TGT void dot_q4(const uint8_t *q, const float *x0, const float *x1, const
     }
 }
 
-/* The chains of row r (0 or 1) summed into its two halves. */
+/* dot_q4 for a wide tile (mr 3 or 4 rows, x[r] the row pointers): each byte row of
+ * nibbles is converted once, and weights i and i + 16 share row r's two chains. */
+INLINE TGT void dot_q4_wide(const uint8_t *q, const float *const x[4], const int mr, __m256 a[8]) {
+    for (int i = 0; i < QK / 2; i++) {
+        __m256 w[4];
+        nibbles(q + i * NR, w);
+        FMA_ROWS(i, w[0], w[1]);
+        FMA_ROWS(i + 16, w[2], w[3]);
+    }
+}
+
+/* The chains of row r summed into its two halves. */
 INLINE TGT void fold(const __m256 a[8], const int mr, const int r, __m256 s[2]) {
     if (mr == 1) {
         s[0] = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[4], a[6]));
         s[1] = _mm256_add_ps(_mm256_add_ps(a[1], a[3]), _mm256_add_ps(a[5], a[7]));
+    } else if (mr > 2) {
+        s[0] = a[2 * r], s[1] = a[2 * r + 1];
     } else {
         s[0] = _mm256_add_ps(a[4 * r], a[4 * r + 2]), s[1] = _mm256_add_ps(a[4 * r + 1], a[4 * r + 3]);
     }
@@ -111,55 +146,70 @@ INLINE TGT void scale_block(__m256 acc[2], const __m256 t[2], const __m256 d[2],
     }
 }
 
-/* GEMV, block formats: rows m0 .. m0 + mr (1 or 2) of y for one panel. mr and fmt are
+/* Row r of a tile of mr rows starting at m0 (rows past mr alias row 0, never read). */
+INLINE const float *tile_row(const float *base, int64_t ld, int64_t m0, int r, int mr) {
+    return base + (m0 + (r < mr ? r : 0)) * ld;
+}
+
+/* GEMV, block formats: rows m0 .. m0 + mr (1 to 4) of y for one panel. mr and fmt are
  * constants at each call site. */
 INLINE TGT void gemv_tile(const Args *g, const uint8_t *panel, int64_t n0, int64_t m0, const int mr,
                           const int fmt) {
     const int64_t kb = g->K / QK, bb = block_bytes(fmt);
-    const float *x0 = g->x + m0 * g->ldx, *x1 = mr == 2 ? x0 + g->ldx : x0;
-    const float *sx0 = g->sx ? g->sx + m0 * kb : NULL, *sx1 = g->sx && mr == 2 ? sx0 + kb : sx0;
+    const float *x[4], *sx[4];
+    for (int r = 0; r < 4; r++) {
+        x[r] = tile_row(g->x, g->ldx, m0, r, mr);
+        sx[r] = g->sx ? tile_row(g->sx, kb, m0, r, mr) : NULL;
+    }
     const __m256 z = _mm256_setzero_ps(), m8 = _mm256_set1_ps(-8.0f);
-    __m256 acc0[2] = {z, z}, acc1[2] = {z, z};
+    __m256 acc[4][2] = {{z, z}, {z, z}, {z, z}, {z, z}};
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *blk = panel + b * bb, *q = blk + quant_offset(fmt);
 #if QG_PF
         for (int64_t off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + QG_PF + off, _MM_HINT_T0);
 #endif
         __m256 a[8] = {z, z, z, z, z, z, z, z}, t[2];
-        if (fmt == Q8_0) dot_s8(q, x0 + b * QK, x1 + b * QK, 0, QK, mr, a);
-        else dot_q4(q, x0 + b * QK, x1 + b * QK, mr, a);
+        const float *const xb[4] = {x[0] + b * QK, x[1] + b * QK, x[2] + b * QK, x[3] + b * QK};
+        if (mr > 2 && fmt == Q8_0) dot_s8_wide(q, xb, 0, QK, mr, a);
+        else if (mr > 2) dot_q4_wide(q, xb, mr, a);
+        else if (fmt == Q8_0) dot_s8(q, xb[0], xb[1], 0, QK, mr, a);
+        else dot_q4(q, xb[0], xb[1], mr, a);
         const __m256 d[2] = {h8(blk), h8(blk + 16)};
         const __m256 e[2] = {fmt == Q4_1 ? h8(blk + 32) : _mm256_mul_ps(d[0], m8),
                              fmt == Q4_1 ? h8(blk + 48) : _mm256_mul_ps(d[1], m8)};
-        fold(a, mr, 0, t), scale_block(acc0, t, d, e, sx0 + b, fmt);
-        if (mr == 2) fold(a, mr, 1, t), scale_block(acc1, t, d, e, sx1 + b, fmt);
+        for (int r = 0; r < mr; r++) fold(a, mr, r, t), scale_block(acc[r], t, d, e, sx[r] + b, fmt);
     }
-    store_row(g, m0, n0, acc0[0], acc0[1]);
-    if (mr == 2) store_row(g, m0 + 1, n0, acc1[0], acc1[1]);
+    for (int r = 0; r < mr; r++) store_row(g, m0 + r, n0, acc[r][0], acc[r][1]);
 }
 
 /* GEMV, INT8_ROW: t = x . q over all of K, y = s*t. */
 INLINE TGT void gemv_tile_int8(const Args *g, const uint8_t *panel, int64_t n0, int64_t m0, const int mr) {
-    const float *x0 = g->x + m0 * g->ldx, *x1 = mr == 2 ? x0 + g->ldx : x0;
+    const float *x[4];
+    for (int r = 0; r < 4; r++) x[r] = tile_row(g->x, g->ldx, m0, r, mr);
     const __m256 z = _mm256_setzero_ps();
     __m256 a[8] = {z, z, z, z, z, z, z, z}, t[2];
-    dot_s8(panel + 64, x0, x1, 0, g->K, mr, a);
+    if (mr > 2) dot_s8_wide(panel + 64, x, 0, g->K, mr, a);
+    else dot_s8(panel + 64, x[0], x[1], 0, g->K, mr, a);
     const __m256 sc0 = _mm256_loadu_ps((const float *)panel), sc1 = _mm256_loadu_ps((const float *)panel + 8);
-    fold(a, mr, 0, t), store_row(g, m0, n0, _mm256_mul_ps(sc0, t[0]), _mm256_mul_ps(sc1, t[1]));
-    if (mr == 2) fold(a, mr, 1, t), store_row(g, m0 + 1, n0, _mm256_mul_ps(sc0, t[0]), _mm256_mul_ps(sc1, t[1]));
+    for (int r = 0; r < mr; r++)
+        fold(a, mr, r, t), store_row(g, m0 + r, n0, _mm256_mul_ps(sc0, t[0]), _mm256_mul_ps(sc1, t[1]));
 }
 
-/* All rows of x against one panel, in tiles of 2 rows (the panel re-read from L1). */
+#define GEMV_TILE(mr) (fmt == INT8_ROW ? gemv_tile_int8(a, panel, n0, m, mr) : gemv_tile(a, panel, n0, m, mr, fmt))
+
+/* All rows of x against one panel, in tiles of 4 rows and one of the rest (the panel
+ * re-read from L1). */
 INLINE TGT void gemv_rows(const Args *a, const uint8_t *panel, int64_t n0, const int fmt) {
     int64_t m = 0;
-    for (; m + 2 <= a->M; m += 2)
-        if (fmt == INT8_ROW) gemv_tile_int8(a, panel, n0, m, 2);
-        else gemv_tile(a, panel, n0, m, 2, fmt);
-    if (m < a->M) {
-        if (fmt == INT8_ROW) gemv_tile_int8(a, panel, n0, m, 1);
-        else gemv_tile(a, panel, n0, m, 1, fmt);
+    for (; m + 4 <= a->M; m += 4) GEMV_TILE(4);
+    switch (a->M - m) {
+        case 3: GEMV_TILE(3); break;
+        case 2: GEMV_TILE(2); break;
+        case 1: GEMV_TILE(1); break;
+        default: break;
     }
 }
+#undef GEMV_TILE
 
 static TGT void gemv_panel_avx2(const Args *a, int64_t p) {
     const uint8_t *panel = a->w + p * a->pbytes;
