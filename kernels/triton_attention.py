@@ -46,7 +46,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
+def ieee_dot(a, b, IEEE: tl.constexpr):
+    """tl.dot; float32 operands (IEEE) in full precision."""
     # fp32 must not silently drop to tf32, or GPU results drift ~1e-3 from the reference.
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
@@ -113,7 +114,7 @@ def _attend_rows(
             k = (decode_codes(k, QUANT) * ks[:, None]).to(q.dtype)
             v = (decode_codes(v, QUANT) * vs[:, None]).to(q.dtype)
 
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = ieee_dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
         s = tl.where(visible, s, float("-inf"))
         # Every row (padding included) sees position 0 in the first tile, so m_new is
@@ -122,7 +123,7 @@ def _attend_rows(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        acc = acc * alpha[:, None] + ieee_dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return acc, l_i
 

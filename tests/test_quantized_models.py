@@ -222,10 +222,17 @@ def test_auto_picks_gguf_for_a_gguf_file_and_none_otherwise(tiny_model_dir):
     assert resolve_mode("int8", resolve_model(str(tiny_model_dir)), cpu, f32) == "int8"
 
 
-@pytest.mark.parametrize("device, dtype, why", [("cuda", torch.float32, "CPU only"),
+@pytest.mark.parametrize("device, dtype, why", [("mps", torch.float32, "on the CPU and on CUDA"),
                                                 ("cpu", torch.bfloat16, "float32 only")])
 def test_quantised_modes_fall_back_to_fp32_off_the_cpu_kernels(device, dtype, why, caplog):
     with caplog.at_level(logging.WARNING):
         mode = resolve_mode("gguf", resolve_model(None), torch.device(device), dtype)
     assert mode == "none"
     assert why in caplog.text and "running fp32 weights" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_keeps_quantised_modes_for_the_triton_gemm(dtype):
+    """kernels.triton_quant runs them there (tests/test_triton_quant.py), in any float dtype."""
+    assert resolve_mode("gguf", resolve_model(None), torch.device("cuda"), dtype) == "gguf"
+    assert resolve_mode("auto", resolve_model(None), torch.device("cuda"), dtype) == "gguf"

@@ -10,8 +10,10 @@ originals, and fuses the elementwise steps (``kernels/cpu/fused_ops.c``: residua
 RMSNorm, RoPE, SiLU x up) into one pass each.
 
 Weights may also be held quantised (``quantize``, called by the loader in the gguf and
-int8 modes, see ``common.model.quantization``): those run through ``kernels.cpu_quant``,
-a quantised embedding is looked up there too, and a tied LM head shares its packed form.
+int8 modes, see ``common.model.quantization``): on a CPU those run through
+``kernels.cpu_quant``, elsewhere (CUDA) as the format's own bytes through the Triton GEMM
+``kernels.triton_quant``; a quantised embedding is looked up there too, and a tied LM
+head shares its quantised form.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from kernels.cpu_gemm import PackedWeight
 from kernels.cpu_quant import QuantPacked
 from kernels.quant_formats import QuantWeight
 
-Weight = torch.Tensor | PackedWeight | QuantPacked  # a projection as the forward pass holds it
+# a projection as the forward pass holds it (QuantWeight: on the Triton path, kernels.triton_quant)
+Weight = torch.Tensor | PackedWeight | QuantPacked | QuantWeight
 
 # Below this many rows, MKL computes ``weight @ x.T`` faster than ``x @ weight.T`` on this
 # class of CPU (measured: 1.5-2.5x at 2-4 rows, 1.2x at 64 with 2 threads, even at 256),
@@ -47,6 +50,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         return cpu_gemm.linear(x, weight, bias)
     if isinstance(weight, QuantPacked):
         return cpu_quant.linear(x, weight, bias)  # strided rows are read in place
+    if isinstance(weight, QuantWeight):
+        from kernels import triton_quant  # triton: only where quantised weights run on it
+
+        return triton_quant.linear(x, weight, bias)
     rows = x.shape[0]
     if x.device.type != "cpu" or rows > SMALL_BATCH_ROWS:
         return F.linear(x, weight, bias)
@@ -119,37 +126,58 @@ class LlamaModel(torch.nn.Module):
                              persistent=False)
         self.scale = s.head_dim**-0.5
         self.packed_lm_head: PackedWeight | QuantPacked | None = None
-        self.quantized: dict[str, QuantPacked] = {}  # see quantize
+        self.quantized: dict[str, QuantPacked | QuantWeight] = {}  # see quantize
         self.fused_ops = False  # see use_cpu_kernels
         self.decode_loop = True  # decode steps in one C call where possible (_decode_loop)
         self._loop: cpu_decode.DecodeLayers | None = None
 
-    def quantize(self, weights: Mapping[str, QuantWeight]) -> None:
+    def quantize(self, weights: Mapping[str, QuantWeight], triton: bool | None = None) -> None:
         """Hold these weights quantised, by parameter name (``embed``, ``lm_head`` when
         untied, ``layers.N.{qkv,o,gate_up,down}``), freeing their float copies; a tied LM
-        head shares the quantised embedding. Call before ``use_cpu_kernels``."""
+        head shares the quantised embedding. On a CPU they are packed for the C kernels
+        (call before ``use_cpu_kernels``); on another device, or with ``triton=True``
+        (Triton's interpreter on a CPU, for tests), they stay the format's bytes on the
+        model's device for ``kernels.triton_quant``."""
         for name, w in weights.items():
             param = self.get_parameter(name)
             if name == "lm_head" and param is self.embed:
                 raise ValueError("a tied LM head is the embedding: quantise embed")
             if (w.n, w.k) != tuple(param.shape):
                 raise ValueError(f"{name}: quantised [{w.n}, {w.k}], expected {tuple(param.shape)}")
-        # one arena on huge pages: a decode step streams every weight, and scattered 4 KiB
-        # pages would cost it TLB misses
-        packed = cpu_quant.pack_all(list(weights.values()))
-        for (name, _), p in zip(weights.items(), packed, strict=True):
+        device = self.embed.device
+        if device.type == "cpu" if triton is None else not triton:
+            # one arena on huge pages: a decode step streams every weight, and scattered
+            # 4 KiB pages would cost it TLB misses
+            held: list[QuantPacked | QuantWeight] = cpu_quant.pack_all(list(weights.values()))
+        else:
+            from kernels import triton_quant
+
+            held = [triton_quant.to_device(w, device) for w in weights.values()]
+        for (name, _), p in zip(weights.items(), held, strict=True):
             self.quantized[name] = p
-            self.get_parameter(name).data = torch.empty(0)
+            self.get_parameter(name).data = torch.empty(0, device=device)
         if self.lm_head is self.embed and "embed" in self.quantized:
             self.quantized["lm_head"] = self.quantized["embed"]
+        if not isinstance(held[0] if held else None, QuantPacked):
+            self._hold_for_triton()
+
+    def _hold_for_triton(self) -> None:
+        """Each layer's projections as the forward pass takes them: quantised where they
+        are, the float parameters elsewhere; the LM head likewise."""
+        names = _PackedLayer._fields
+        for i, layer in enumerate(self.layers):
+            layer.packed = _PackedLayer(*(self.quantized.get(f"layers.{i}.{n}", getattr(layer, n))
+                                          for n in names))
+        self.packed_lm_head = self.quantized.get("lm_head")
 
     def use_cpu_kernels(self) -> list[str]:
         """On a CPU in float32, with the C kernels built: repack every float projection and
         the LM head for the GEMM kernel, freeing the originals (the embedding stays: a tied
         LM head packs a copy), and run the elementwise steps fused. Returns what it
         enabled, for the log."""
-        if self.embed.device.type != "cpu" or self.embed.dtype != torch.float32:
-            return []
+        if self.embed.device.type != "cpu" or self.embed.dtype != torch.float32 or \
+                any(isinstance(w, QuantWeight) for w in self.quantized.values()):
+            return []  # (quantised weights held for Triton stay there)
         if self.packed_lm_head is None and cpu_gemm.available():
             self._pack()
         elif self.packed_lm_head is None and self.quantized:
@@ -216,8 +244,7 @@ class LlamaModel(torch.nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
-        q = self.quantized.get("embed")
-        x = F.embedding(input_ids, self.embed) if q is None else cpu_quant.embedding(q, input_ids)
+        x = self.embed_tokens(input_ids)
         loop = self._decode_loop(kv_cache, meta, backend, x.shape[0])
         if loop is not None:
             return loop.run(x, positions, meta.slot_mapping, meta.decode_block_tables,
@@ -235,6 +262,17 @@ class LlamaModel(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend, self.scale)
         return x
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids → [T, hidden]: rows of the embedding, dequantised where it is held quantised."""
+        q = self.quantized.get("embed")
+        if q is None:
+            return F.embedding(input_ids, self.embed)
+        if isinstance(q, QuantPacked):
+            return cpu_quant.embedding(q, input_ids)
+        from kernels import triton_quant
+
+        return triton_quant.embedding(q, input_ids, self.rope_cos.dtype)
 
     def _decode_loop(self, kv_cache, meta: AttentionMetadata, backend: AttentionBackend,
                      num_tokens: int) -> cpu_decode.DecodeLayers | None:
@@ -309,14 +347,14 @@ class _Layer(torch.nn.Module):
 
 
 class _PackedLayer(NamedTuple):
-    qkv: PackedWeight | QuantPacked
-    o: PackedWeight | QuantPacked
-    gate_up: PackedWeight | QuantPacked
-    down: PackedWeight | QuantPacked
+    qkv: Weight
+    o: Weight
+    gate_up: Weight
+    down: Weight
 
 
 def _nbytes(w: Weight) -> int:
-    if isinstance(w, QuantPacked):
+    if isinstance(w, QuantPacked | QuantWeight):
         return w.nbytes
     data = w.data if isinstance(w, PackedWeight) else w
     return data.numel() * data.element_size()
@@ -324,7 +362,7 @@ def _nbytes(w: Weight) -> int:
 
 def _kind(w: Weight) -> str:
     """A weight's number format: Q4_1, int8, fp32, ..."""
-    if isinstance(w, QuantPacked):
+    if isinstance(w, QuantPacked | QuantWeight):
         return "int8" if w.fmt.value == "int8" else w.fmt.name
     dtype = w.data.dtype if isinstance(w, PackedWeight) else w.dtype
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))

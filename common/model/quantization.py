@@ -8,12 +8,14 @@
   from the float weights of any model (``quantize_int8_rows``).
 - ``auto``: ``QUANTIZATION_AUTO_FOR_GGUF`` for a .gguf model, ``none`` otherwise.
 
-Quantised weights run through ``kernels.cpu_quant``: on a CPU, in float32, with the
-kernels built. Elsewhere a quantised mode falls back to ``none``, saying why.
+Quantised weights run through ``kernels.cpu_quant`` on a CPU (float32, the kernels built)
+and through ``kernels.triton_quant`` on CUDA (any float dtype). Elsewhere a quantised mode
+falls back to ``none``, saying why.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections import defaultdict
 
@@ -49,8 +51,10 @@ def resolve_mode(requested: str, source: ModelSource, device: torch.device, dtyp
 
 
 def _unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type == "cuda":  # the Triton GEMM, any float dtype (kernels.triton_quant)
+        return None if importlib.util.find_spec("triton") else "CUDA runs them through Triton, not installed"
     if device.type != "cpu":
-        return f"quantised weights run on the CPU only, not on {device.type}"
+        return f"quantised weights run on the CPU and on CUDA, not on {device.type}"
     if dtype != torch.float32:
         return f"quantised weights run in float32 only, not {dtype}"
     if not cpu_quant.available():
@@ -60,17 +64,20 @@ def _unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def load(model: LlamaModel, source: ModelSource, mode: str) -> None:
-    """Fill ``model`` with the weights of ``source`` in ``mode`` (a resolved one)."""
+def load(model: LlamaModel, source: ModelSource, mode: str, triton: bool | None = None) -> None:
+    """Fill ``model`` with the weights of ``source`` in ``mode`` (a resolved one); quantised
+    weights are held for the C kernels on a CPU, for Triton elsewhere (``triton=True``:
+    for Triton on a CPU too, the interpreter's tests; see ``LlamaModel.quantize``)."""
     if mode == "none":
         load_weights(model, source.directory)
     elif mode == "gguf":
         native = gguf_weights(model, source)
         load_weights(model, source.directory, skip=_sources(model, native))
-        model.quantize(native)
+        model.quantize(native, triton)
     elif mode == "int8":
         load_weights(model, source.directory)
-        model.quantize({name: quantize_int8_rows(model.get_parameter(name)) for name in _slot_sources(model)})
+        model.quantize({name: quantize_int8_rows(model.get_parameter(name)) for name in _slot_sources(model)},
+                       triton)
     else:
         raise ValueError(f"unknown weight mode {mode!r}")
 
