@@ -127,7 +127,7 @@ def test_linear_matches_torch(fmt: QuantFormat, k: int, isa: str) -> None:
     assert (packed.fmt, packed.n, packed.k) == (fmt, n, k) and packed.nbytes == packed.data.numel()
     g = torch.Generator().manual_seed(k + 1)
     b, dense = torch.randn(n, generator=g), w.dequantize().double()
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 16, 64, 100):  # every GEMV tile (1-4 rows) and remainder
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 25, 64, 100):  # every GEMV tile, both sides of QG_GEMV_MAX
         x = torch.randn(m, k, generator=g)
         want = x.double() @ dense.T
         assert_matches(cpu_quant.linear(x, packed, num_threads=1), want.float())
