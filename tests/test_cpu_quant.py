@@ -74,6 +74,28 @@ def quantized(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantWeight:
     return QuantWeight(fmt, n, k, torch.from_numpy(blocks.reshape(n, -1)))
 
 
+def small_integer_weight(fmt: QuantFormat, n: int, k: int, g: torch.Generator) -> QuantWeight:
+    """Random integer weights in [-8, 8) with unit scales (Q4_1: m = -8) in ``fmt``: every
+    product with small integer x is exact in float32, whatever the summation order."""
+    q = torch.randint(-8, 8, (n, k), generator=g)
+    if fmt is QuantFormat.INT8_ROW:
+        w = QuantWeight(fmt, n, k, q.to(torch.int8).view(torch.uint8), torch.ones(n))
+    else:
+        blocks = torch.zeros(n, k // 32, fmt.block_bytes, dtype=torch.uint8)
+        blocks[..., 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+        qb = q.reshape(n, k // 32, 32)
+        if fmt is QuantFormat.Q8_0:
+            blocks[..., 2:] = qb.to(torch.int8).view(torch.uint8)
+        else:
+            nib = (qb + 8).to(torch.uint8)
+            blocks[..., -16:] = nib[..., :16] | nib[..., 16:] << 4
+            if fmt is QuantFormat.Q4_1:
+                blocks[..., 2:4] = torch.tensor([-8.0], dtype=torch.float16).view(torch.uint8)
+        w = QuantWeight(fmt, n, k, blocks.reshape(n, -1))
+    assert torch.equal(w.dequantize(), q.float())
+    return w
+
+
 def gguf_dequantize(w: QuantWeight) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType(w.fmt.ggml_type)))
 
@@ -139,23 +161,8 @@ def test_exact_on_small_integers(fmt: QuantFormat, isa: str) -> None:
     """Scales 1 (Q4_1: m = -8) and small integer x: every partial sum is exact in float32,
     so any order must give the float64 product exactly, tails included."""
     g = torch.Generator().manual_seed(3)
-    n, k = 21, 64
-    q = torch.randint(-8, 8, (n, k), generator=g)
-    if fmt is QuantFormat.INT8_ROW:
-        w = QuantWeight(fmt, n, k, q.to(torch.int8).view(torch.uint8), torch.ones(n))
-    else:
-        blocks = torch.zeros(n, k // 32, fmt.block_bytes, dtype=torch.uint8)
-        blocks[..., 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
-        qb = q.reshape(n, k // 32, 32)
-        if fmt is QuantFormat.Q8_0:
-            blocks[..., 2:] = qb.to(torch.int8).view(torch.uint8)
-        else:
-            nib = (qb + 8).to(torch.uint8)
-            blocks[..., -16:] = nib[..., :16] | nib[..., 16:] << 4
-            if fmt is QuantFormat.Q4_1:
-                blocks[..., 2:4] = torch.tensor([-8.0], dtype=torch.float16).view(torch.uint8)
-        w = QuantWeight(fmt, n, k, blocks.reshape(n, -1))
-    assert torch.equal(w.dequantize(), q.float())
+    w = small_integer_weight(fmt, 21, 64, g)
+    n, k = w.n, w.k
     packed, b = cpu_quant.pack(w), torch.randint(-8, 8, (n,), generator=g).float()
     for m in (1, 2, 3, 4, 5, 8, 13):
         x = torch.randint(-8, 8, (m, k), generator=g).float()

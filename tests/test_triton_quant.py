@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 
-import gguf
 import pytest
 import torch
 
@@ -23,20 +22,12 @@ from common.model.loader import resolve_model
 from common.sampling_params import SamplingParams
 from kernels import triton_quant
 from kernels.attention import TritonBackend
-from kernels.quant_formats import QuantFormat, QuantWeight, quantize_int8_rows
+from kernels.quant_formats import QuantFormat
 from tests.conftest import make_engine
+from tests.test_cpu_quant import quantized, small_integer_weight
 from tests.tiny_gguf import Q, write_tiny_gguf
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def quantized(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantWeight:
-    """A random weight quantised by gguf itself (INT8_ROW: by quantize_int8_rows)."""
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    if fmt is QuantFormat.INT8_ROW:
-        return quantize_int8_rows(w)
-    blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(fmt.ggml_type))
-    return QuantWeight(fmt, n, k, torch.from_numpy(blocks.reshape(n, -1)))
 
 
 @pytest.mark.parametrize("fmt", list(QuantFormat))
@@ -60,23 +51,8 @@ def test_exact_on_small_integers(fmt: QuantFormat) -> None:
     """Unit scales and small integer x: every partial sum is exact, so the kernel's
     dequantisation must give the float64 product bit for bit (nibble order included)."""
     g = torch.Generator().manual_seed(3)
-    n, k = 19, 64
-    q = torch.randint(-8, 8, (n, k), generator=g)
-    if fmt is QuantFormat.INT8_ROW:
-        w = QuantWeight(fmt, n, k, q.to(torch.int8).view(torch.uint8), torch.ones(n))
-    else:
-        blocks = torch.zeros(n, k // 32, fmt.block_bytes, dtype=torch.uint8)
-        blocks[..., 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
-        qb = q.reshape(n, k // 32, 32)
-        if fmt is QuantFormat.Q8_0:
-            blocks[..., 2:] = qb.to(torch.int8).view(torch.uint8)
-        else:
-            nib = (qb + 8).to(torch.uint8)
-            blocks[..., -16:] = nib[..., :16] | nib[..., 16:] << 4
-            if fmt is QuantFormat.Q4_1:
-                blocks[..., 2:4] = torch.tensor([-8.0], dtype=torch.float16).view(torch.uint8)
-        w = QuantWeight(fmt, n, k, blocks.reshape(n, -1))
-    assert torch.equal(w.dequantize(), q.float())
+    w = small_integer_weight(fmt, 19, 64, g)
+    q, k = w.dequantize(), w.k
     x = torch.randint(-8, 8, (3, k), generator=g).float()
     got = triton_quant.linear(x.to(DEVICE), triton_quant.to_device(w, DEVICE)).cpu()
     assert torch.equal(got, (x.double() @ q.double().T).float())
