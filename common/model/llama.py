@@ -145,20 +145,23 @@ class LlamaModel(torch.nn.Module):
             if (w.n, w.k) != tuple(param.shape):
                 raise ValueError(f"{name}: quantised [{w.n}, {w.k}], expected {tuple(param.shape)}")
         device = self.embed.device
-        if device.type == "cpu" if triton is None else not triton:
-            # one arena on huge pages: a decode step streams every weight, and scattered
-            # 4 KiB pages would cost it TLB misses
-            held: list[QuantPacked | QuantWeight] = cpu_quant.pack_all(list(weights.values()))
-        else:
+        on_triton = device.type != "cpu" if triton is None else triton
+        if on_triton:
             from kernels import triton_quant
 
-            held = [triton_quant.to_device(w, device) for w in weights.values()]
+            held: list[QuantPacked | QuantWeight] = [triton_quant.to_device(w, device)
+                                                     for w in weights.values()]
+        else:
+            # one arena on huge pages: a decode step streams every weight, and scattered
+            # 4 KiB pages would cost it TLB misses
+            held = cpu_quant.pack_all(list(weights.values()))
         for (name, _), p in zip(weights.items(), held, strict=True):
+            param = self.get_parameter(name)
             self.quantized[name] = p
-            self.get_parameter(name).data = torch.empty(0, device=device)
+            param.data = torch.empty(0, device=device, dtype=param.dtype)
         if self.lm_head is self.embed and "embed" in self.quantized:
             self.quantized["lm_head"] = self.quantized["embed"]
-        if not isinstance(held[0] if held else None, QuantPacked):
+        if on_triton:
             self._hold_for_triton()
 
     def _hold_for_triton(self) -> None:
@@ -272,7 +275,7 @@ class LlamaModel(torch.nn.Module):
             return cpu_quant.embedding(q, input_ids)
         from kernels import triton_quant
 
-        return triton_quant.embedding(q, input_ids, self.rope_cos.dtype)
+        return triton_quant.embedding(q, input_ids, self.embed.dtype)
 
     def _decode_loop(self, kv_cache, meta: AttentionMetadata, backend: AttentionBackend,
                      num_tokens: int) -> cpu_decode.DecodeLayers | None:
