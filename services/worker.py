@@ -339,6 +339,10 @@ class WorkerService:
         if self.drain.started:  # a new router (or record) must hear it again
             self.drain.rejoined()
             self._send_router(Draining(self.s.worker_id))
+        # Beat from now on, not from the end of the first tick: a restarted worker's first
+        # step (the requests moved off a dead one, all at once) can outlast the router's
+        # heartbeat timeout, which then declared the new worker dead too.
+        self._report()
 
     # ---- drain ----------------------------------------------------------------------
 

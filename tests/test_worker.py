@@ -22,6 +22,7 @@ from common.outputs import FinishReason
 from common.protocol import (
     Abort,
     Finished,
+    Heartbeat,
     KVAck,
     KVHandoff,
     Message,
@@ -117,6 +118,18 @@ def colocated(tiny_model_dir) -> Iterator[Harness]:
     h = Harness(tiny_model_dir, WorkerRole.COLOCATED)
     yield h
     h.close()
+
+
+def test_a_registered_worker_beats_before_its_first_tick(colocated: Harness) -> None:
+    """A worker whose first step is long (a restarted one taking over the requests moved off
+    a dead one) must not look dead to the router meanwhile: registering gives its heartbeat
+    something to send, before any tick has run."""
+    colocated.worker.heartbeat.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        assert time.monotonic() < deadline, "no heartbeat from a registered worker that has not ticked"
+        if colocated.router.poll(100) and isinstance(decode(colocated.router.recv_multipart()[1]), Heartbeat):
+            break
 
 
 def handoff_for(h: Harness, request_id: str, **changes) -> tuple[KVHandoff, list[bytes]]:
