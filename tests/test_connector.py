@@ -516,8 +516,10 @@ def test_receiver_killed_mid_transfer_leaves_the_sender_working(transport: str, 
         if transport == "ucx":  # the dead connection nacks what it owed
             poll_until(lambda: acks.extend(sender.poll_acks()) or len(acks) > 1, "nack for the big transfer")
             assert acks[1].transfer_id == "big" and not acks[1].ok and acks[1].reason.startswith("ucx:")
-            # The loss is reported from the UCX thread, which may come just after the nack.
-            poll_until(lambda: errors["sender"], "the sender's report of the lost peer")
+            # The loss is reported from the UCX thread, which may come just after the nack;
+            # the hook hears of it in the sender's next call.
+            poll_until(lambda: acks.extend(sender.poll_acks()) or errors["sender"],
+                       "the sender's report of the lost peer")
             assert [kind for kind, _ in errors["sender"]] == ["peer_lost"]
         h = _next_receiver_gets_the_next_transfer(transport, tmp_path, sender, acks, errors)
         if transport != "ucx":  # zmq keeps "big" queued for the dead address: no ack, no nack

@@ -7,7 +7,10 @@ the socket without an intermediate copy (the lease keeps the blocks alive meanwh
 The receiver binds a ROUTER socket; acks go back on it to the sender's DEALER.
 
 A transfer to a receiver that has gone away waits in the DEALER until one binds the
-address again (its lease expires meanwhile); other addresses are not held up.
+address again (its lease expires meanwhile); other addresses are not held up. Each
+address has a context of its own, so ``abandon`` can wait for ZeroMQ's teardown (which
+runs on its I/O threads) to end: when it returns, no queued transfer can still be sent to
+a receiver that binds the address later, nor read the blocks it lent.
 
 Same-host shared memory (``common.connector.shm`` sends it): a one-frame
 ``KVShmHandoff`` in place of header + blocks. A receiver given ``PeerSegments`` maps the
@@ -43,9 +46,8 @@ MIN_LOAN_LEFT_S = 0.5
 class ZmqSender:
     frame_timeout_s: float | None = None  # a multipart message arrives whole or not at all
 
-    def __init__(self, context: zmq.Context | None = None, *, on_error: ErrorHook | None = None) -> None:
-        self._ctx = context or zmq.Context.instance()
-        self._sockets: dict[str, zmq.Socket] = {}
+    def __init__(self, *, on_error: ErrorHook | None = None) -> None:
+        self._sockets: dict[str, zmq.Socket] = {}  # a socket per address, in a context of its own
         self._failures = FailureLog(on_error)
 
     def send(self, addr: str, header: KVHeader, blocks: Sequence[memoryview]) -> None:
@@ -65,23 +67,32 @@ class ZmqSender:
         return acks
 
     def abandon(self, addr: str) -> None:
+        """Discard what is queued for ``addr``; the next send reconnects."""
         sock = self._sockets.pop(addr, None)
         if sock is not None:
-            sock.close(linger=0)  # discards the queued messages; the next send reconnects
+            _discard(sock)
 
     def close(self) -> None:
         for sock in self._sockets.values():
-            sock.close(linger=0)
+            _discard(sock)
         self._sockets.clear()
 
     def _socket(self, addr: str) -> zmq.Socket:
         sock = self._sockets.get(addr)
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
+            sock = zmq.Context(io_threads=1).socket(zmq.DEALER)
             sock.setsockopt(zmq.SNDHWM, 0)  # never drop a transfer; leases bound the backlog
             sock.connect(addr)
             self._sockets[addr] = sock
         return sock
+
+
+def _discard(sock: zmq.Socket) -> None:
+    """Close ``sock`` dropping its queue, and wait until ZeroMQ has: closing alone only
+    asks its I/O thread to, which may first connect to a new receiver and send."""
+    ctx = sock.context
+    sock.close(linger=0)
+    ctx.term()
 
 
 class ZmqReceiver:
