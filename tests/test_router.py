@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import time
 from dataclasses import replace
 
@@ -269,6 +270,55 @@ def test_decode_placement_prefers_the_most_free_fraction():
     assert chosen.score == pytest.approx(0.8)
     workers[2].reserved_blocks = 10  # now 0.9
     assert placed(steps, workers) == "reserved"
+
+
+def _by_the_rules(workers: list[WorkerInfo], req: PlacementRequest, index: PrefixIndex,
+                  budget: int, load_weight: float, decode: bool) -> str | None:
+    """The policies' rules, one worker at a time in plain loops (the oracle of ``place``)."""
+    best, best_score = None, None
+    scored = []
+    for w in workers:
+        if decode:
+            if w.free_blocks - w.reserved_blocks < -(-req.num_prompt_tokens // req.block_size) + 1:
+                continue
+            scored.append((w, (w.free_blocks - w.reserved_blocks) / w.num_blocks))
+        else:
+            cached = min(index.matched_blocks(w.worker_id, req.block_hashes) * req.block_size,
+                         req.num_prompt_tokens)
+            if w.outstanding_tokens and w.outstanding_tokens + req.num_prompt_tokens - cached > budget:
+                continue
+            scored.append((w, cached - load_weight * w.outstanding_tokens))
+    slowest = max((w.step_seconds or 0.0 for w, _ in scored), default=0.0)
+    for w, score in scored:
+        if decode and slowest > 0:
+            score -= (w.step_seconds or 0.0) / slowest
+        if best_score is None or score > best_score:
+            best, best_score = w.worker_id, score
+    return best
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_placement_among_many_workers_follows_the_rules(decode: bool):
+    # Many workers in random states: ``place`` (columns) picks what the rules pick.
+    rng = random.Random(7)
+    prompts = [list(range(100 + 4 * g, 116 + 4 * g)) for g in range(6)]
+    for case in range(150):
+        index = PrefixIndex()
+        workers = []
+        for i in range(rng.randrange(1, 40)):
+            w = worker(f"w{i:02d}", role="decode" if decode else "prefill",
+                       outstanding=rng.choice([0, 0, 4, 8, 30, 90, 200]),
+                       num_blocks=rng.choice([50, 100]), free=rng.randrange(0, 50),
+                       reserved=rng.randrange(0, 8))
+            w.step_seconds = rng.choice([None, 0.01, 0.02, 0.05])
+            workers.append(w)
+            held = prompts[rng.randrange(len(prompts))]
+            index.apply(events(w.worker_id, hash_prefix_blocks(held, BS)[: rng.randrange(0, 5)]))
+        req = request(prompts[rng.randrange(len(prompts))] + [rng.randrange(99)] * rng.randrange(0, 9))
+        budget, load_weight = rng.choice([40, 100, 1000]), rng.choice([0.0, 0.5, 1.0, 2.0])
+        steps = decode_policy() if decode else prefill_policy("prefix", index, budget, load_weight)
+        want = _by_the_rules(workers, req, index, budget, load_weight, decode)
+        assert placed(steps, workers, req) == want, case
 
 
 # ---- admission ------------------------------------------------------------------------

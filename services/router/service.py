@@ -72,6 +72,7 @@ from services.router.disagg import (
 from services.router.ledger import LoadLedger
 from services.router.policies import (
     Candidate,
+    Candidates,
     PlacementRequest,
     RoutingPolicy,
     decode_policy,
@@ -420,7 +421,8 @@ class RouterService:
             return Where.REMOTE  # no costs to gather
         decode.cached_tokens = min(self.index.matched_blocks(decode.worker.worker_id, req.block_hashes)
                                    * req.block_size, req.num_prompt_tokens)
-        if rule.mode is DisaggMode.AUTO and not await self._local_budget(req, [decode]):
+        if rule.mode is DisaggMode.AUTO and not await self._local_budget(
+                req, Candidates([decode.worker], cached=[decode.cached_tokens])):
             # It holds a prefill worker's budget of prompts already: no more, or a flood
             # would pass the admission queue by.
             self._prefill_choices.labels(Where.REMOTE.value, "budget").inc()
