@@ -30,6 +30,10 @@ class PlacementRequest:
     block_hashes: Sequence[BlockHash]  # the prompt's full blocks, in the workers' block size
     block_size: int
 
+    def cached_tokens(self, blocks: int) -> int:
+        """Prompt tokens covered by ``blocks`` leading cached blocks (never past the prompt)."""
+        return min(blocks * self.block_size, self.num_prompt_tokens)
+
 
 @dataclass(slots=True)
 class Candidate:
@@ -93,8 +97,8 @@ def with_cached_prefix(index: PrefixIndex) -> Step:
         if not matched:
             cands.cached = [0] * len(cands)
             return cands
-        n, bs, held = req.num_prompt_tokens, req.block_size, matched.get
-        cands.cached = [min(b * bs, n) if (b := held(w.worker_id)) else 0 for w in cands.workers]
+        held = matched.get
+        cands.cached = [req.cached_tokens(b) if (b := held(w.worker_id)) else 0 for w in cands.workers]
         return cands
 
     return step
@@ -145,10 +149,8 @@ def round_robin() -> Step:
     async def step(req: PlacementRequest, cands: Candidates) -> Candidates:
         order = sorted(range(len(cands)), key=lambda i: cands.workers[i].worker_id)
         start = next(turn) % len(order)
-        scores = list(cands.scores)
         for rank, i in enumerate(order[start:] + order[:start]):
-            scores[i] -= rank
-        cands.scores = scores
+            cands.scores[i] -= rank  # the columns are this placement's own
         return cands
 
     return step

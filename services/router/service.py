@@ -419,8 +419,8 @@ class RouterService:
         rule = self.settings.disagg
         if rule.mode is DisaggMode.ALWAYS:
             return Where.REMOTE  # no costs to gather
-        decode.cached_tokens = min(self.index.matched_blocks(decode.worker.worker_id, req.block_hashes)
-                                   * req.block_size, req.num_prompt_tokens)
+        decode.cached_tokens = req.cached_tokens(
+            self.index.matched_blocks(decode.worker.worker_id, req.block_hashes))
         if rule.mode is DisaggMode.AUTO and not await self._local_budget(
                 req, Candidates([decode.worker], cached=[decode.cached_tokens])):
             # It holds a prefill worker's budget of prompts already: no more, or a flood
