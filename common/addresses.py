@@ -78,6 +78,30 @@ def _is_loopback(host: str) -> bool:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now (for launchers that assign ports up front)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    [port] = free_ports(1, host)
+    return port
+
+
+def free_ports(count: int, host: str = "127.0.0.1", avoid: frozenset[int] = frozenset()) -> list[int]:
+    """``count`` distinct ports nothing listens on right now, none of them in ``avoid``.
+
+    Every socket stays bound until all are picked: a port closed at once may be handed out
+    again by the next pick, and two services told the same port collide (an HTTP metrics
+    server that won the port would answer another service's ``/health``)."""
+    held: list[socket.socket] = []
+    try:
+        while len(held) < count:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            held.append(s)
+        ports = [s.getsockname()[1] for s in held]
+        while any(p in avoid for p in ports):  # rare: the kernel handed out an avoided port
+            ports = [p for p in ports if p not in avoid]
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            held.append(s)
+            ports.append(s.getsockname()[1])
+        return ports
+    finally:
+        for s in held:
+            s.close()

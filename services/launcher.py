@@ -28,7 +28,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from common.addresses import free_port
+from common.addresses import free_ports
 from common.config import available_cpus
 from common.connector import KVTransport, ShmMode
 from common.flags import add_engine_flags, default_of
@@ -126,15 +126,17 @@ def plan(args: argparse.Namespace) -> list[Child]:
     engine_flags = engine_argv(args)
     limits = timeouts(args)  # raises ValueError (one line, exit 2) before anything starts
     py = [sys.executable, "-m", "cli"]
-    router_port, router_metrics = free_port(), free_port()
+    roles = ([("worker", "worker", args.colocated)] if args.colocated
+             else [("prefill", "prefill", args.prefill), ("decode", "decode", args.decode)])
+    workers = [(name, cmd, i) for name, cmd, count in roles for i in range(count)]
+    # One pick for every port: distinct from each other and from the gateway's.
+    router_port, router_metrics, *worker_ports = free_ports(2 + len(workers),
+                                                            avoid=frozenset({args.port}))
     router = f"tcp://127.0.0.1:{router_port}"
     children = [Child("router", py + ["router", "--port", str(router_port), "--metrics-port",
                                       str(router_metrics), "--policy", args.policy,
                                       *limits.router_argv(), *disagg_argv(args)],
                       f"http://127.0.0.1:{router_metrics}/health")]
-    roles = ([("worker", "worker", args.colocated)] if args.colocated
-             else [("prefill", "prefill", args.prefill), ("decode", "decode", args.decode)])
-    workers = [(name, cmd, i) for name, cmd, count in roles for i in range(count)]
     cpus = sorted(os.sched_getaffinity(0))
     # --threads is an engine flag (forwarded when given). Unset, a P/D cluster's workers
     # share the CPUs (every one may use them all, each step as many as the others leave
@@ -147,8 +149,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
         cpu_flags = []  # forwarded with the engine flags
     else:
         cpu_flags = ["--threads", str(max(1, available_cpus() // max(len(workers), 1)))]
-    for n, (name, cmd, i) in enumerate(workers):
-        port = free_port()
+    for n, ((name, cmd, i), port) in enumerate(zip(workers, worker_ports, strict=True)):
         argv = py + [cmd, "--router", router, "--metrics-port", str(port), *cpu_flags,
                      "--kv-transport", args.kv_transport, "--kv-shm", args.kv_shm,
                      "--kv-stream-chunks" if args.kv_stream_chunks else "--no-kv-stream-chunks",

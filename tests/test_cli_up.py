@@ -143,3 +143,52 @@ def test_a_child_that_exits_during_start_is_a_startup_error():
     with pytest.raises(launcher.StartupError, match="router failed to start .status 3"):
         cluster.start(timeout=60)
     assert cluster.exited() == [router]
+
+
+# ---- the ports a plan hands out ------------------------------------------------------
+
+def _ports_of(child: launcher.Child) -> list[int]:
+    argv = child.argv
+    flags = [int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a in ("--port", "--metrics-port")]
+    return sorted(set(flags + [int(child.health_url.rsplit(":", 1)[1].split("/")[0])]))
+
+
+def test_every_port_a_plan_hands_out_is_its_own_and_never_the_gateways():
+    # Once, two picks came out equal: a worker's metrics server took the gateway's port,
+    # answered the launcher's /health for it, and every POST got its 501.
+    gateway = free_port()
+    for _ in range(10):
+        children = launcher.plan(build_parser().parse_args(
+            ["up", "--prefill", "4", "--decode", "4", "--port", str(gateway)]))
+        services = [_ports_of(c) for c in children[:-1]]
+        ports = [p for each in services for p in each]
+        assert len(ports) == len(set(ports)) == 2 + 8  # router: ZMQ + metrics; workers: metrics
+        assert gateway not in ports and _ports_of(children[-1]) == [gateway]
+
+
+class _ScriptedSocket:
+    """A socket whose bind to port 0 gets the next of ``ports`` (the kernel's choice)."""
+
+    ports: list[int] = []
+
+    def __init__(self, *args) -> None:
+        self.port = None
+
+    def bind(self, address) -> None:
+        self.port = _ScriptedSocket.ports.pop(0)
+
+    def getsockname(self):
+        return ("127.0.0.1", self.port)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_plan_skips_the_gateways_port_when_the_kernel_hands_it_out(monkeypatch):
+    from common import addresses
+
+    args = build_parser().parse_args(["up", "--port", "40000"])  # parsed before the script
+    monkeypatch.setattr(addresses.socket, "socket", _ScriptedSocket)
+    _ScriptedSocket.ports = [40000, 40001, 40002, 40003, 40004]
+    children = launcher.plan(args)
+    assert [_ports_of(c) for c in children] == [[40001, 40002], [40003], [40004], [40000]]
