@@ -4,10 +4,12 @@ Two workloads, greedy, one request at a time (c1) through the offline engine:
 - ``grounded``: chat prompts asking the model to repeat or lightly edit a given passage,
   so its output copies its input (where prompt lookup pays);
 - ``random``: prompts of random token ids (where it should cost next to nothing).
-Each runs with speculation off, then on; printed: output tok/s, the ratio, the
-acceptance rate. ``--k`` may list several draft lengths to compare.
+Each round runs the workload with speculation off, then on for every ``--k``; printed per
+configuration: the median output tok/s over ``--rounds`` rounds, the median of the rounds'
+on/off ratios (each a side-by-side pair, so a machine whose speed drifts between rounds
+does not tilt it), the acceptance rate.
 
-    python -m loadtest.spec_bench --k 2 3 4 5 --prompt-lookup-max 3 --max-tokens 128
+    python -m loadtest.spec_bench --k 2 3 4 5 --prompt-lookup-max 3 --max-tokens 128 --rounds 3
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from dataclasses import replace
 
@@ -62,6 +65,20 @@ def run_c1(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> 
     return tokens / (time.perf_counter() - start), tokens
 
 
+def measure_round(off: Engine, engines: dict[int, Engine], prompts: list[list[int]],
+                  params: SamplingParams) -> dict[int, tuple[float, int, int]]:
+    """One pass of the workload off (key 0) and then with each draft length: per key,
+    (output tok/s, draft tokens, accepted draft tokens)."""
+    out = {0: (run_c1(off, prompts, params)[0], 0, 0)}
+    for k, engine in engines.items():
+        before = engine.stats()
+        tps, _ = run_c1(engine, prompts, params)
+        after = engine.stats()
+        out[k] = (tps, after.num_draft_tokens - before.num_draft_tokens,
+                  after.num_accepted_tokens - before.num_accepted_tokens)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--k", type=int, nargs="+", default=[3], help="num_speculative_tokens to try")
@@ -70,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--random-len", type=int, default=256)
     p.add_argument("--workloads", nargs="+", default=["grounded", "random"], choices=["grounded", "random"])
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians are reported)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     base = EngineConfig()
@@ -85,18 +103,19 @@ def main(argv: list[str] | None = None) -> int:
         prompts = workloads[name]
         for engine in [off, *engines.values()]:  # warm up (kernels, caches)
             engine.generate(prompts[:1], replace(params, max_tokens=4))
-        base_tps, _ = run_c1(off, prompts, params)
-        print(f"{name:9s} off        {base_tps:7.1f} output tok/s", flush=True)
-        for k, engine in engines.items():
-            before = engine.stats()
-            tps, _ = run_c1(engine, prompts, params)
-            s = engine.stats()
-            drafted = s.num_draft_tokens - before.num_draft_tokens
-            rate = (s.num_accepted_tokens - before.num_accepted_tokens) / drafted if drafted else 0.0
+        rounds = [measure_round(off, engines, prompts, params) for _ in range(args.rounds)]
+        base_tps = statistics.median(r[0][0] for r in rounds)
+        print(f"{name:9s} off        {base_tps:7.1f} output tok/s (median of {args.rounds})", flush=True)
+        for k in engines:
+            tps = statistics.median(r[k][0] for r in rounds)
+            ratio = statistics.median(r[k][0] / r[0][0] for r in rounds)
+            drafted = sum(r[k][1] for r in rounds)
+            rate = sum(r[k][2] for r in rounds) / drafted if drafted else 0.0
             print(f"{name:9s} on k={k} m={args.prompt_lookup_max} {tps:7.1f} output tok/s  "
-                  f"{tps / base_tps:5.2f}x  acceptance {100 * rate:3.0f}% of {drafted} draft tokens", flush=True)
+                  f"{ratio:5.2f}x  acceptance {100 * rate:3.0f}% of {drafted} draft tokens", flush=True)
             results.append({"workload": name, "k": k, "m": args.prompt_lookup_max, "off_tok_s": base_tps,
-                            "on_tok_s": tps, "ratio": tps / base_tps, "acceptance_rate": rate})
+                            "on_tok_s": tps, "ratio": ratio, "acceptance_rate": rate,
+                            "rounds": [{"off_tok_s": r[0][0], "on_tok_s": r[k][0]} for r in rounds]})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
