@@ -132,3 +132,17 @@ def test_every_package_the_product_imports_is_a_runtime_dependency():
                         if dist not in runtime and dist not in NOT_RUNTIME_DEPENDENCIES:
                             missing.setdefault(dist, set()).add(str(path.relative_to(ROOT)))
     assert missing == {}
+
+
+def test_no_installed_distribution_shadows_or_is_shadowed_by_our_packages():
+    """Our top-level packages are found first on the path, so another distribution with a
+    top-level module of the same name is broken for everyone who imports it: transformers
+    5.25 made Hugging Face's ``kernels`` a dependency and imported it at startup, where it
+    found ours (every model config import failed). pyproject.toml keeps transformers below
+    5.25; this fails the day another dependency brings such a name in."""
+    import importlib.metadata
+
+    dists = importlib.metadata.packages_distributions()
+    ours = ("cli", "common", "kernels", "loadtest", "services")
+    clashes = {name: sorted(set(dists.get(name, [])) - {"tandem"}) for name in ours}
+    assert {name: others for name, others in clashes.items() if others} == {}
