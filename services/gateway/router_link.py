@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -43,7 +45,9 @@ CONNECT_GRACE_MS = 1000  # how long a message waits for the router's connection 
 # A Submit the router has not acknowledged (Queued, Admitted or Rejected) within ACK_S was
 # most likely written into the connection of a router that died as it left: it is sent
 # again (the router answers a resend of a request it knows with its state) until REACH_S,
-# which covers a supervised router restart, and then the request fails with a 503.
+# which covers a supervised router restart, and then the request fails with a 503. Once
+# the router has been out of reach for REACH_S already, a new request is tried once and
+# then refused, instead of each waiting out another REACH_S of a long outage.
 ACK_S = 1.0
 REACH_S = 10.0
 
@@ -61,7 +65,10 @@ class Admission:
 
 
 class RouterLink:
-    def __init__(self, router_addr: str, stream_bind: str, advertise_host: str = "127.0.0.1") -> None:
+    def __init__(self, router_addr: str, stream_bind: str, advertise_host: str = "127.0.0.1",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # the reach window (REACH_S); tests move it by hand
+        self._unreachable_since: float | None = None  # the first failed send since the last good one
         self._ctx = zmq.asyncio.Context()
         self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
         self._router = self._ctx.socket(zmq.DEALER)
@@ -163,24 +170,33 @@ class RouterLink:
         finally:
             self._surveys.pop(nonce, None)
 
+    def unreachable_for(self) -> float | None:
+        """Seconds since a send to the router first failed with none succeeding after it;
+        None while the router is reachable."""
+        since = self._unreachable_since
+        return None if since is None else self._clock() - since
+
     async def _deliver(self, submit: Submit, heard: asyncio.Future[None]) -> None:
-        """Send ``submit`` until the router acknowledges it (see ACK_S)."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + REACH_S
+        """Send ``submit`` until the router acknowledges it (see ACK_S and REACH_S)."""
+        away = self.unreachable_for()
+        give_up = self._clock() + (REACH_S if away is None or away < REACH_S else 0.0)
         while True:
             try:
                 await self._send(submit)
                 await asyncio.wait_for(asyncio.shield(heard), ACK_S)
                 return
             except (RouterUnavailable, TimeoutError):
-                if loop.time() >= give_up:
+                if self._clock() >= give_up:
                     raise RouterUnavailable("the router did not acknowledge the request") from None
             log.info("resending %s: the router has not acknowledged it", submit.request_id)
 
     async def _send(self, msg: Message, grace_ms: float = CONNECT_GRACE_MS) -> None:
         """To the router, once connected; the grace covers a connection still being made."""
         if not await self._router.poll(grace_ms, zmq.POLLOUT):
+            if self._unreachable_since is None:
+                self._unreachable_since = self._clock()
             raise RouterUnavailable("the router is not reachable")
+        self._unreachable_since = None
         await self._router.send(encode(msg))
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
