@@ -23,7 +23,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import zmq
 
+from common.addresses import free_ports
 from common.protocol import Ping, Status, decode, encode
 from loadtest.router_gateway import GatewaySettings, gateway_main
 from loadtest.router_metrics import cpu_seconds, scrape
@@ -120,7 +120,7 @@ def bench(w: Workload, rates: list[float], duration: float, router_flags: list[s
           warmup: float = 0.0, fleet: dict | None = None, gateways: int = 4,
           say=lambda m: None) -> Result:
     """Start the router, the fleet and the gateway; one phase per rate; stop everything."""
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_ports(2)
     address = f"tcp://127.0.0.1:{port}"
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     router = subprocess.Popen(
@@ -229,12 +229,6 @@ def _expect(pipe: mp.connection.Connection, what, timeout: float):
     if what is not None and got != what:
         raise RuntimeError(f"expected {what!r} from a load process, got {got!r}")
     return got
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status(address: str, timeout: float = 1.0) -> Status | None:

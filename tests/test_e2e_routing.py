@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from common.addresses import free_port
+from common.addresses import free_ports
 from tests.cluster import Cluster, TokenIds, wait_for
 from tests.extras import require_module
 
@@ -123,7 +123,7 @@ def test_killed_decode_worker_fails_the_stream_and_frees_prefill_blocks(guarded)
 
 
 def test_no_workers_means_503_with_retry_after(tiny_model_dir):
-    router_port, gw_port = free_port(), free_port()
+    router_port, gw_port = free_ports(2)
     py = [sys.executable, "-m", "cli"]
     procs = [subprocess.Popen(py + ["router", "--port", str(router_port), "--metrics-port", "0"]),
              subprocess.Popen(py + ["gateway", "--router", f"tcp://127.0.0.1:{router_port}",

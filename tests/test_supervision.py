@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from common.addresses import free_port
+from common.addresses import free_port, free_ports
 from services import launcher
 from services.supervision import RestartPolicy, Supervisor
 from tests.cluster import Cluster, wait_for
@@ -81,9 +81,8 @@ def test_a_policy_that_cannot_work_is_refused(first, longest, reset_after):
 
 # ---- the supervisor over stand-in children ----------------------------------------------
 
-def _http_child(name: str, root: Path) -> launcher.Child:
+def _http_child(name: str, root: Path, port: int) -> launcher.Child:
     """A child whose /health answers 200: a static file server over a folder holding 'health'."""
-    port = free_port()
     argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
             "--directory", str(root)]
     return launcher.Child(name, argv, f"http://127.0.0.1:{port}/health")
@@ -92,7 +91,7 @@ def _http_child(name: str, root: Path) -> launcher.Child:
 def test_the_supervisor_restarts_only_the_dead_child_and_never_once_stopping(tmp_path, capsys):
     (tmp_path / "health").write_text("ok")
     clock = FakeClock()
-    children = [_http_child("a", tmp_path), _http_child("b", tmp_path)]
+    children = [_http_child(name, tmp_path, port) for name, port in zip("ab", free_ports(2), strict=True)]
     with launcher.LocalCluster(children) as cluster:
         cluster.start(timeout=60)
         supervisor = Supervisor(cluster, RestartPolicy(clock=clock))
