@@ -25,6 +25,18 @@ from common.model.loader import resolve_model  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+class ManualClock:
+    """A clock that moves only when a test moves it (``clock.now += 1.5``): for the objects
+    that take a ``clock`` (the router, the supervisor's backoff, the drain, the gateway's
+    router link, the dashboard's timeline)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model, converted from the wheel's GGUF (cached across runs)."""

@@ -15,15 +15,8 @@ from services.gateway.dashboard import LOST_S, DashboardState
 from services.gateway.router_link import RouterLink, RouterUnavailable
 from services.gateway.settings import GatewaySettings
 from services.gateway.timeline import Timeline
+from tests.conftest import ManualClock
 from tests.test_router import Cluster, serve, submit
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def view(worker_id: str, role: WorkerRole = WorkerRole.DECODE, *, free: int = 75, total: int = 100,
@@ -36,7 +29,7 @@ def view(worker_id: str, role: WorkerRole = WorkerRole.DECODE, *, free: int = 75
 # ---- the timeline ---------------------------------------------------------------------
 
 def test_a_disaggregated_request_has_all_four_phases_in_order():
-    clock = Clock()
+    clock = ManualClock(100.0)
     tl = Timeline(clock=clock)
     t = tl.start("r1")
     clock.now += 0.5
@@ -53,7 +46,7 @@ def test_a_disaggregated_request_has_all_four_phases_in_order():
 
 
 def test_a_colocated_request_has_no_transfer_phase():
-    clock = Clock()
+    clock = ManualClock(100.0)
     tl = Timeline(clock=clock)
     t = tl.start("r1")
     t.admitted = clock.now
@@ -65,7 +58,7 @@ def test_a_colocated_request_has_no_transfer_phase():
 
 
 def test_open_phases_run_until_now():
-    clock = Clock()
+    clock = ManualClock(100.0)
     tl = Timeline(clock=clock)
     t = tl.start("r1")
     clock.now += 1.0
@@ -83,7 +76,7 @@ def test_open_phases_run_until_now():
 
 
 def test_the_timeline_keeps_open_requests_and_the_last_finished_ones():
-    tl = Timeline(capacity=2, clock=Clock())
+    tl = Timeline(capacity=2, clock=ManualClock(100.0))
     traces = [tl.start(f"r{i}") for i in range(4)]
     for t in traces[:3]:
         tl.end(t, "stop")
@@ -95,7 +88,7 @@ def test_the_timeline_keeps_open_requests_and_the_last_finished_ones():
 # ---- the state ------------------------------------------------------------------------
 
 def test_state_reports_each_worker_with_usage_hit_rate_and_transfer_rate():
-    clock = Clock()
+    clock = ManualClock(100.0)
     state = DashboardState(Timeline(clock=clock), "tiny", clock=clock)
     first = state.assemble(Roster(1, [view("prefill-0", WorkerRole.PREFILL, queries=100, hits=25,
                                            sent=1_000_000),
@@ -116,7 +109,7 @@ def test_state_reports_each_worker_with_usage_hit_rate_and_transfer_rate():
 
 
 def test_state_shows_late_draining_and_lost_workers():
-    clock = Clock()
+    clock = ManualClock(100.0)
     state = DashboardState(Timeline(clock=clock), "tiny", clock=clock)
     state.assemble(Roster(1, [view("a"), view("b"), view("c")], 0))
     clock.now += 1.0
@@ -129,7 +122,7 @@ def test_state_shows_late_draining_and_lost_workers():
 
 
 def test_an_unreachable_router_still_gives_a_state_with_the_last_workers_seen():
-    clock = Clock()
+    clock = ManualClock(100.0)
     state = DashboardState(Timeline(clock=clock), "tiny", clock=clock)
     state.assemble(Roster(1, [view("a")], 0))
     clock.now += 3.0
@@ -141,7 +134,7 @@ def test_an_unreachable_router_still_gives_a_state_with_the_last_workers_seen():
 
 
 def test_a_restarted_worker_starts_its_rate_again():
-    clock = Clock()
+    clock = ManualClock(100.0)
     state = DashboardState(Timeline(clock=clock), "tiny", clock=clock)
     state.assemble(Roster(1, [view("a", sent=9_000_000)], 0))
     clock.now += 1.0
@@ -150,7 +143,7 @@ def test_a_restarted_worker_starts_its_rate_again():
 
 
 def test_state_rows_mark_a_request_waiting_for_its_decode_worker_as_in_transfer():
-    clock = Clock()
+    clock = ManualClock(100.0)
     tl = Timeline(clock=clock)
     state = DashboardState(tl, "tiny", clock=clock)
     t = tl.start("r1")

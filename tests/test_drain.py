@@ -37,7 +37,7 @@ from common.roles import FinishStage, WorkerRole
 from common.sampling_params import SamplingParams
 from services.worker_drain import DrainState, Leave
 from tests.cluster import Cluster, wait_for
-from tests.conftest import write_tiny_model
+from tests.conftest import ManualClock, write_tiny_model
 from tests.test_router import PROMPT, register, serve, submit
 from tests.test_router import Cluster as RouterPeers
 from tests.test_worker import Harness
@@ -45,16 +45,8 @@ from tests.test_worker import Harness
 # ---- the drain's decisions ----------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_drain_leaves_once_released_and_idle_and_hands_over_at_the_deadline():
-    clock = Clock()
+    clock = ManualClock(100.0)
     d = DrainState(10.0, clock)
     assert not d.start() and d.decide(idle=True, registered=True) is Leave.STAY  # not asked
     d.ask()
@@ -71,7 +63,7 @@ def test_a_drain_leaves_once_released_and_idle_and_hands_over_at_the_deadline():
 
 
 def test_a_second_signal_hands_over_at_once():
-    d = DrainState(30.0, Clock())
+    d = DrainState(30.0, ManualClock(100.0))
     d.ask()
     d.start()
     assert d.decide(idle=False, registered=True) is Leave.STAY

@@ -14,21 +14,14 @@ from common.addresses import free_port
 from common.protocol import Admitted, Queued, Submit, decode, encode
 from common.sampling_params import SamplingParams
 from services.gateway.router_link import REACH_S, RouterLink, RouterUnavailable
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.conftest import ManualClock
 
 
 def test_a_long_outage_refuses_a_new_request_after_one_try_and_a_returning_router_is_used():
     address = f"tcp://127.0.0.1:{free_port()}"
 
     async def main():
-        clock = Clock()  # frozen unless moved: a request that waited for it would never end
+        clock = ManualClock()  # frozen unless moved: a request that waited for it would never end
         link = RouterLink(address, "tcp://127.0.0.1:0", clock=clock)
         link.start()
         try:

@@ -24,6 +24,7 @@ from common.addresses import free_port, free_ports
 from services import launcher
 from services.supervision import RestartPolicy, Supervisor
 from tests.cluster import Cluster, wait_for
+from tests.conftest import ManualClock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,25 +34,17 @@ def wait_for_restart(condition, what: str, timeout: float = 90.0) -> object:
     return wait_for(condition, what, timeout)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # ---- the backoff table ----------------------------------------------------------------
 
 def test_backoff_doubles_from_half_a_second_up_to_ten():
-    policy = RestartPolicy(clock=FakeClock())
+    policy = RestartPolicy(clock=ManualClock())
     restarts = [policy.exited("decode-0") for _ in range(7)]
     assert [r.delay for r in restarts] == [0.5, 1, 2, 4, 8, 10, 10]
     assert [r.count for r in restarts] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_backoff_resets_only_after_a_long_enough_healthy_period():
-    clock = FakeClock()
+    clock = ManualClock()
     policy = RestartPolicy(first=0.5, longest=10, reset_after=30, clock=clock)
     assert [policy.exited("w").delay for _ in range(3)] == [0.5, 1, 2]
     policy.healthy("w")
@@ -68,7 +61,7 @@ def test_backoff_resets_only_after_a_long_enough_healthy_period():
 
 
 def test_each_child_has_its_own_backoff():
-    policy = RestartPolicy(clock=FakeClock())
+    policy = RestartPolicy(clock=ManualClock())
     assert [policy.exited("a").delay for _ in range(3)] == [0.5, 1, 2]
     assert (policy.exited("b").delay, policy.exited("a").delay) == (0.5, 4)
 
@@ -90,7 +83,7 @@ def _http_child(name: str, root: Path, port: int) -> launcher.Child:
 
 def test_the_supervisor_restarts_only_the_dead_child_and_never_once_stopping(tmp_path, capsys):
     (tmp_path / "health").write_text("ok")
-    clock = FakeClock()
+    clock = ManualClock()
     children = [_http_child(name, tmp_path, port) for name, port in zip("ab", free_ports(2), strict=True)]
     with launcher.LocalCluster(children) as cluster:
         cluster.start(timeout=60)
