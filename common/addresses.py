@@ -89,18 +89,14 @@ def free_ports(count: int, host: str = "127.0.0.1", avoid: frozenset[int] = froz
     again by the next pick, and two services told the same port collide (an HTTP metrics
     server that won the port would answer another service's ``/health``)."""
     held: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        while len(held) < count:
+        while len(ports) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
             held.append(s)
-        ports = [s.getsockname()[1] for s in held]
-        while any(p in avoid for p in ports):  # rare: the kernel handed out an avoided port
-            ports = [p for p in ports if p not in avoid]
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
-            held.append(s)
-            ports.append(s.getsockname()[1])
+            if (port := s.getsockname()[1]) not in avoid:  # an avoided one stays held, unused
+                ports.append(port)
         return ports
     finally:
         for s in held:
