@@ -53,6 +53,40 @@ def test_unrestricted_sampling_reaches_every_likely_token():
     assert sample_many(lambda i: SamplingParams(temperature=1.0, seed=i), probs) == {0, 1, 2, 3, 4}
 
 
+def test_draws_follow_the_distribution_and_never_take_a_zero():
+    """20,000 draws from an unnormalised row: each token's count within 5 standard
+    deviations of its expectation (a wrong draw, e.g. an off-by-one in the running total,
+    moves a count by thousands), and the zero-probability tokens never drawn."""
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 5.5, 0.0]])  # sums to 10
+    sampler, seq = Sampler([EOS], seed=1), seq_with(SamplingParams(temperature=1.0))
+    trials = 20_000
+    counts = torch.bincount(torch.cat([sampler.draw(weights, [seq]) for _ in range(trials)]),
+                            minlength=VOCAB)
+    expected = weights[0] / weights.sum() * trials
+    for token in range(VOCAB):
+        p = float(weights[0, token] / weights.sum())
+        assert abs(float(counts[token]) - float(expected[token])) <= 5 * math.sqrt(trials * p * (1 - p)), token
+    assert all(int(counts[t]) == 0 for t in (0, 2, 5, 7))
+
+
+def test_a_row_with_no_mass_gets_its_argmax_not_an_index_past_the_vocabulary():
+    sampler = Sampler([EOS], seed=0)
+    seqs = [seq_with(SamplingParams(temperature=1.0)) for _ in range(2)]
+    probs = torch.tensor([[0.0] * VOCAB, [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    assert sampler.draw(probs, seqs).tolist() == [0, 7]
+
+
+def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.0, 0.0, 0.0, 0.0]])
+    alone = [int(Sampler([EOS], seed=s).draw(probs, [seq_with(SamplingParams(seed=7))])[0])
+             for s in range(3)]
+    crowded = []
+    for s in range(3):
+        seqs = [seq_with(SamplingParams()), seq_with(SamplingParams(seed=7)), seq_with(SamplingParams())]
+        crowded.append(int(Sampler([EOS], seed=s).draw(probs.repeat(3, 1), seqs)[1]))
+    assert alone == crowded and len(set(alone)) == 1
+
+
 def test_frequency_and_presence_penalties_move_the_argmax():
     logits = torch.tensor([[0.0, 0.0, -9.0, 1.0, 0.8, -9.0, -9.0, -9.0]])
     sampler = Sampler([EOS])

@@ -1,9 +1,12 @@
 """Turning a step's logits into tokens, vectorised over the batch.
 
 Every row's processing (penalties, temperature, top-k/top-p/min-p) is a row-wise tensor
-operation, and the randomness is an exponential race (``argmax(p / q)``, ``q ~ Exp(1)``)
-whose noise a seeded choice draws from its own generator, so a seeded choice gets the
-same tokens whatever else shares its batch. Logprobs are those of the raw model
+operation, and the randomness is one uniform draw per row (inverse CDF: the first token
+whose running total of probability passes the draw), which a seeded choice takes from its
+own generator, so a seeded choice gets the same tokens whatever else shares its batch.
+One draw, not one per vocabulary entry: an exponential race (``argmax(p / q)``,
+``q ~ Exp(1)`` over the whole vocabulary) cost 1.1 ms a row for SmolLM2's 49,152 tokens,
+17 ms for 16 rows, against 0.1 and 0.6 ms. Logprobs are those of the raw model
 distribution, before any penalty or temperature.
 """
 
@@ -43,7 +46,7 @@ class Sampler:
         if sampled:
             index = torch.tensor(sampled)
             rows = [seqs[i] for i in sampled]
-            tokens[index] = self.race(self.target_probs(logits[index], rows), rows)
+            tokens[index] = self.draw(self.target_probs(logits[index], rows), rows)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, token_list, seqs))
 
@@ -68,10 +71,18 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         return _min_p(probs, [s.params.min_p for s in seqs])
 
-    def race(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per row, drawn in proportion to ``probs`` (unnormalised is fine)."""
-        noise = self._exponential_noise(probs.shape, seqs)
-        return (probs / noise).argmax(dim=-1)
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row, drawn in proportion to ``probs`` (unnormalised is fine; a
+        token of probability 0 is never drawn)."""
+        cdf = probs.double().cumsum(dim=-1)
+        totals = cdf[:, -1:]
+        picks = torch.searchsorted(cdf, self._uniforms(seqs) * totals, right=True).squeeze(1)
+        # A draw that rounds up to the row's total, or a row with no mass at all (every
+        # token masked), lands past the end: take the row's most likely token instead.
+        past = (picks >= probs.shape[1]).nonzero().flatten().tolist()
+        for i in past:
+            picks[i] = probs[i].argmax()
+        return picks
 
     def uniform(self, seq: Sequence) -> float:
         """A draw from U[0, 1), from the sequence's own stream when it is seeded."""
@@ -97,12 +108,13 @@ class Sampler:
             logits[i, [t for t in banned if t < logits.shape[1]]] = float("-inf")
         return logits
 
-    def _exponential_noise(self, shape: torch.Size, seqs: list[Sequence]) -> torch.Tensor:
-        noise = torch.empty(shape).exponential_(generator=self._generator)
+    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[S, 1] float64 draws from U[0, 1): seeded rows from their own streams."""
+        u = torch.rand(len(seqs), 1, generator=self._generator, dtype=torch.float64)
         for i, s in enumerate(seqs):
             if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        return noise
+                u[i] = torch.rand((), generator=s.generator, dtype=torch.float64)
+        return u
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -153,6 +153,6 @@ def _accept_sampled(sampler: Sampler, seq: Sequence, draft: tuple[int, ...], pro
         if sampler.uniform(seq) < float(probs[j, t]):
             continue
         residual = probs[j].clone()
-        residual[t] = 0.0  # p with t removed; the race renormalises
-        return list(draft[:j]) + [int(sampler.race(residual.unsqueeze(0), [seq])[0])]
-    return list(draft) + [int(sampler.race(probs[-1:], [seq])[0])]
+        residual[t] = 0.0  # p with t removed; the draw renormalises
+        return list(draft[:j]) + [int(sampler.draw(residual.unsqueeze(0), [seq])[0])]
+    return list(draft) + [int(sampler.draw(probs[-1:], [seq])[0])]
