@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - start
     tokens = args.num_prompts * args.output_len
     print(f"{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
-          f"{args.threads} threads: {wall:.1f} s, {tokens / wall:.1f} output tok/s; {engine.describe()}")
+          f"{args.threads} threads: {wall:.2f} s, {tokens / wall:.1f} output tok/s; {engine.describe()}")
     print(f"{'entry':48s} {'seconds':>8s} {'share':>6s} {'calls':>7s} {'GFLOP/s':>8s}")
     for name in sorted(timers.seconds, key=timers.seconds.get, reverse=True):
         s = timers.seconds[name]

@@ -30,11 +30,13 @@ def test_a_run_on_a_tiny_model_is_split_over_the_kernels_and_restores_them(tiny_
                                  "--input-len", "20", "--output-len", "6", "--threads", "1",
                                  "--num-kv-blocks", "64"]) == 0
     out = capsys.readouterr().out
-    wall = float(re.search(r"threads: ([0-9.]+) s", out).group(1))
-    rows = dict(re.findall(r"^(\S.*?)\s+([0-9.]+)\s+[0-9.]+%", out, re.M))
+    shares = dict(re.findall(r"^(\S.*?)\s+[0-9.]+\s+([0-9.]+)%", out, re.M))
     for entry in ("fp32 packed GEMM", "decode layers (C, one call)", "attention, with prefill chunks",
                   "elementwise add_rms_norm", "step: rest (Python, sampling, scheduling), decode only"):
-        assert entry in rows, out
-    assert sum(float(s) for s in rows.values()) <= wall + 0.01
+        assert entry in shares, out
+    # No time counted twice (nested timers): the shares of the wall clock add up to at most
+    # 100%, give or take their printed rounding (0.05% each). Shares, not seconds: a fast
+    # run's seconds print as a few hundredths, rounded by as much as they measure.
+    assert sum(float(s) for s in shares.values()) <= 100 + 0.05 * len(shares), out
     assert (cpu_gemm.linear, cpu_ops.add_rms_norm, cpu_decode.DecodeLayers.run,
             attention.TorchBackend.forward) == originals
