@@ -8,17 +8,22 @@ Python versions (never Python's salted ``hash()``).
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 
-BlockHash = bytes  # 16 bytes
+HASH_BYTES = 16
+BlockHash = bytes  # HASH_BYTES long
 
 _ROOT = b"tandem-prefix-v1"
 
 
-_KEYED = hashlib.blake2b(digest_size=16, key=_ROOT)  # copied per block: keying costs a round
+_NO_PARENT = b"\0" * HASH_BYTES
+_U32 = next(code for code in "IL" if array.array(code).itemsize == 4)  # a token id's typecode
+_KEYED = hashlib.blake2b(digest_size=HASH_BYTES, key=_ROOT)  # copied per block: keying costs a round
 
 
 @functools.lru_cache(maxsize=64)
@@ -29,7 +34,7 @@ def _packer(num_tokens: int) -> struct.Struct:
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash one full block given the hash of the block before it (None for the first)."""
     h = _KEYED.copy()
-    h.update(parent or b"\0" * 16)
+    h.update(parent or _NO_PARENT)
     h.update(_packer(len(token_ids)).pack(*token_ids))
     h.update(extra)
     return h.digest()
@@ -40,8 +45,22 @@ def hash_prefix_blocks(
     parent: BlockHash | None = None,
 ) -> list[BlockHash]:
     """Hashes of every *full* block of ``token_ids`` (a trailing partial block has none)."""
+    full = len(token_ids) // block_size * block_size
+    if not full:
+        return []
+    # The whole prompt packed once, as ``hash_block`` packs each block: a block's bytes
+    # are then a slice (a prompt's hashes cost half as much as block by block).
+    packed = array.array(_U32, token_ids[:full])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    data = memoryview(packed).cast("B")
+    step = block_size * 4
     hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+    for start in range(0, full * 4, step):
+        h = _KEYED.copy()
+        h.update(parent or _NO_PARENT)
+        h.update(data[start : start + step])
+        h.update(extra)
+        parent = h.digest()
         hashes.append(parent)
     return hashes
