@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.hashing import HASH_BYTES, hash_prefix_blocks
 from common.outputs import FinishReason, TokenLogprob
 from common.roles import FinishStage, WorkerRole
 from common.sampling_params import SamplingParams
@@ -22,13 +23,65 @@ __all__ = ["MAX_MESSAGE_BYTES", "Message", "ProtocolError", "decode", "encode", 
 
 # ---- gateway <-> router ---------------------------------------------------------------
 
-@message("submit", version=3)
+@message("job")
 @dataclass(frozen=True, slots=True)
-class Submit(Message):
-    request_id: str
+class Job(Message):
+    """What a worker needs to run a request, beyond its id: the prompt and how to sample.
+
+    The gateway encodes it once, into its ``Submit``; the router carries those bytes into
+    the ``Task`` unopened (placement reads only the ``Submit``'s header, never a token),
+    and the worker decodes them (``Task.open``)."""
+
     prompt_token_ids: list[int]
     params: SamplingParams
+
+
+def _job(data: bytes, where: str) -> Job:
+    job = decode(data)
+    _require(isinstance(job, Job), f"{where}.job holds a {job.TAG}, not a job")
+    return job
+
+
+@message("submit", version=4)
+@dataclass(frozen=True, slots=True)
+class Submit(Message):
+    """A request for the router: a header that is all placement reads, and the ``Job``.
+
+    The gateway states what the router needs of the job (its length, ``max_tokens`` and
+    ``priority``) and hashes the prompt's full blocks in the workers' block size, which
+    the router's ``Status`` tells it (``block_size`` 0: not hashed; the router then opens
+    the job and hashes it itself). ``Submit.of`` builds the header from the job, so the two
+    agree; nothing downstream trusts the header for correctness (the worker checks the
+    job's own tokens and context), only for where the request goes."""
+
+    request_id: str
     reply_to: str  # the gateway's token-stream address
+    num_prompt_tokens: int
+    max_tokens: int | None
+    priority: int
+    block_size: int  # of ``block_hashes``; 0 when the gateway did not hash
+    block_hashes: list[bytes]  # ``common.hashing.hash_prefix_blocks`` of the prompt
+    job: bytes  # an encoded ``Job``
+
+    def __post_init__(self) -> None:
+        _require(self.num_prompt_tokens >= 0 and self.block_size >= 0,
+                 "submit: negative prompt length or block size")
+        expected = self.num_prompt_tokens // self.block_size if self.block_size else 0
+        _require(len(self.block_hashes) == expected,
+                 f"submit: {len(self.block_hashes)} block hashes for {self.num_prompt_tokens} "
+                 f"tokens in blocks of {self.block_size}")
+        _require(all(len(h) == HASH_BYTES for h in self.block_hashes),
+                 f"submit: block hashes are {HASH_BYTES} bytes")
+
+    @classmethod
+    def of(cls, request_id: str, prompt: list[int], params: SamplingParams, reply_to: str,
+           block_size: int = 0) -> Submit:
+        hashes = hash_prefix_blocks(prompt, block_size) if block_size else []
+        return cls(request_id, reply_to, len(prompt), params.max_tokens, params.priority,
+                   block_size, hashes, encode(Job(prompt, params)))
+
+    def open(self) -> Job:
+        return _job(self.job, "submit")
 
 
 @message("admitted")
@@ -72,7 +125,7 @@ class Ping(Message):
     nonce: int
 
 
-@message("status", version=2)
+@message("status", version=3)
 @dataclass(frozen=True, slots=True)
 class Status(Message):
     """The router's answer to a ping: what it can serve right now."""
@@ -83,6 +136,7 @@ class Status(Message):
     queue_length: int
     max_model_len: int | None  # the smallest limit among live workers; None without workers
     queue_timeout: float  # the router's; a gateway must wait longer for admission
+    block_size: int | None = None  # the prefill workers' (how a Submit hashes its prompt)
 
 
 @message("survey")
@@ -131,16 +185,25 @@ class Roster(Message):
 
 # ---- router -> workers ----------------------------------------------------------------
 
-@message("task", version=3)
+@message("task", version=4)
 @dataclass(frozen=True, slots=True)
 class Task(Message):
-    """Run a request: prefill only (``handoff_addr`` set) or to completion (colocated)."""
+    """Run a request: prefill only (``handoff_addr`` set) or to completion (colocated).
+    ``job`` is the ``Submit``'s, as the gateway encoded it."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
     reply_to: str
+    job: bytes  # an encoded ``Job``
     handoff_addr: str | None = None  # the chosen decode worker's KV receiver address
+
+    @classmethod
+    def of(cls, request_id: str, prompt: list[int], params: SamplingParams, reply_to: str,
+           handoff_addr: str | None = None) -> Task:
+        return cls(request_id, reply_to, encode(Job(prompt, params)), handoff_addr)
+
+    def open(self) -> Job:
+        """The job, decoded and checked (a ``ProtocolError`` if it is not one)."""
+        return _job(self.job, "task")
 
 
 @message("reregister", version=2)

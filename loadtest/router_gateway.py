@@ -5,6 +5,7 @@ the router's acknowledgements. It takes commands from the parent over a
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 import zlib
@@ -23,22 +24,25 @@ PROMPT_POOL = 2048
 
 
 class SubmitEncoder:
-    """``encode(Submit(...))`` for a prompt packed once: the request id is the only new part."""
+    """``encode(Submit.of(...))`` for a prompt packed (and hashed) once, as a real gateway
+    would hash it: the request id, which leads the fields, is the only new part."""
 
-    def __init__(self, params: SamplingParams, reply_to: str) -> None:
-        self._head = b"\x93" + msgpack.packb(Submit.TAG) + msgpack.packb(Submit.VERSION) + b"\x94"
-        # What follows the id and the prompt, as the codec writes it (an empty id and
-        # prompt pack to one byte each).
-        whole = encode(Submit("", [], params, reply_to))
-        if not whole.startswith(self._head + b"\xa0\x90"):
+    def __init__(self, params: SamplingParams, reply_to: str, block_size: int) -> None:
+        self._params, self._reply_to, self._block_size = params, reply_to, block_size
+        self._head = b"\x93" + msgpack.packb(Submit.TAG) + msgpack.packb(Submit.VERSION)
+        self._head += bytes([0x90 + len(dataclasses.fields(Submit))])
+        if not encode(self._submit("", [1])).startswith(self._head + b"\xa0"):
             raise ValueError("the codec no longer writes a Submit as this encoder assumes")
-        self._tail = whole[len(self._head) + 2:]
+
+    def _submit(self, request_id: str, tokens: list[int]) -> Submit:
+        return Submit.of(request_id, tokens, self._params, self._reply_to, self._block_size)
 
     def packed_prompt(self, tokens: list[int]) -> bytes:
-        return msgpack.packb(tokens)
+        """Everything after the request id (an empty id packs to one byte)."""
+        return encode(self._submit("", tokens))[len(self._head) + 1:]
 
     def encode(self, request_id: str, packed_prompt: bytes) -> bytes:
-        return self._head + msgpack.packb(request_id) + packed_prompt + self._tail
+        return self._head + msgpack.packb(request_id) + packed_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +64,7 @@ def gateway_main(s: GatewaySettings, pipe: Connection) -> None:
         sock.setsockopt_string(zmq.IDENTITY, f"sim-gateway-{i}")
         sock.connect(s.router)
         socks.append(sock)
-    encoder = SubmitEncoder(SamplingParams(max_tokens=16), "tcp://127.0.0.1:1")
+    encoder = SubmitEncoder(SamplingParams(max_tokens=16), "tcp://127.0.0.1:1", s.workload.block_size)
     pool = [encoder.packed_prompt(p) for p in prompts(s.workload, PROMPT_POOL, s.seed)]
     pipe.send("ready")
     while True:

@@ -187,9 +187,9 @@ class Fleet:
                 return
             now = time.monotonic()
             tag, _, values = msgpack.unpackb(raw, raw=False)
-            if tag == "task":
+            if tag == "task":  # request_id, reply_to, job, handoff_addr
                 self.arrivals[values[0]] = now
-                self._on_task(x, values[0], values[4], now)
+                self._on_task(x, values[0], values[3], now)
             elif tag == "reregister":
                 self.counts["reregister"] += 1
                 self._register(x)

@@ -262,9 +262,10 @@ class WorkerService:
     def _on_task(self, task: Task) -> None:
         if task.handoff_addr is not None and self.sender is None:
             raise ProtocolError("a prefill-only task sent to a worker that cannot ship KV")
-        self.engine.add_request(task.prompt_token_ids, task.params, task.request_id,
+        job = task.open()
+        self.engine.add_request(job.prompt_token_ids, job.params, task.request_id,
                                 prefill_only=task.handoff_addr is not None)
-        self.clock.start(task.request_id, task.reply_to, len(task.prompt_token_ids),
+        self.clock.start(task.request_id, task.reply_to, len(job.prompt_token_ids),
                          task.handoff_addr)
 
     def _on_abort(self, request_id: str) -> None:

@@ -53,10 +53,10 @@ def test_the_table_has_a_row_per_phase(result: Result) -> None:
 
 def test_fast_encoders_write_the_same_bytes_as_the_codec() -> None:
     params = SamplingParams(max_tokens=16)
-    encoder = SubmitEncoder(params, "tcp://127.0.0.1:1")
-    tokens = [5, 70_000, 0, 31_999]
+    encoder = SubmitEncoder(params, "tcp://127.0.0.1:1", block_size=2)
+    tokens = [5, 70_000, 0, 31_999, 7]
     assert encoder.encode("p0-7", encoder.packed_prompt(tokens)) == encode(
-        Submit("p0-7", tokens, params, "tcp://127.0.0.1:1"))
+        Submit.of("p0-7", tokens, params, "tcp://127.0.0.1:1", block_size=2))
     for stage in FinishStage:
         assert finished_bytes("r", "w", stage) == encode(Finished("r", "w", stage))
 

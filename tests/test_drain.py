@@ -159,7 +159,7 @@ def test_a_worker_is_ready_once_registered_and_not_while_draining(harness: Harne
     h.send(Registered(wid))
     h.run_until(lambda: ready(h)[0] == 200)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    h.send(Task("r", PROMPT, params, h.reply_to))
+    h.send(Task.of("r", PROMPT, params, h.reply_to))
     h.run_until(lambda: h.output("r"))  # running
     h.worker.request_drain()
     assert ready(h) == (503, {"status": "not ready", "reason": "draining", "role": "colocated",
@@ -179,7 +179,7 @@ def test_at_the_deadline_a_worker_hands_its_requests_over_as_retryable(tiny_mode
     try:
         h.send(Registered(h.worker.s.worker_id))
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        h.send(Task("long", PROMPT, params, h.reply_to))
+        h.send(Task.of("long", PROMPT, params, h.reply_to))
         h.run_until(lambda: h.output("long"))
         h.worker.request_drain()
         h.run_until(lambda: deregistered(h) and any(t.error for t in h.tokens))

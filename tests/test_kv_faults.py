@@ -208,7 +208,7 @@ def serve_from(peer, got: list[ReceivedTransfer]) -> Callable[[], None]:
 def test_a_failed_transfer_goes_again_with_the_same_blocks(tiny_model_dir, peer, caplog, fault, cause):
     h = prefill_with(tiny_model_dir, f"{fault}+none")
     try:
-        h.send(Task("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
+        h.send(Task.of("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
         got: list[ReceivedTransfer] = []
         serve = serve_from(peer, got)
         run_lent(h, lambda: serve() or prefill_finished(h, "r") is not None)
@@ -227,7 +227,7 @@ def test_a_failed_transfer_goes_again_with_the_same_blocks(tiny_model_dir, peer,
 def test_two_failures_in_a_row_fail_the_request_clearly_and_free_its_blocks(tiny_model_dir, peer):
     h = prefill_with(tiny_model_dir, "drop+truncate")
     try:
-        h.send(Task("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
+        h.send(Task.of("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
         got: list[ReceivedTransfer] = []
         run_lent(h, lambda: serve_from(peer, got)() or (prefill_finished(h, "r") is not None
                                                         and bool(h.errors("r"))))
@@ -242,7 +242,7 @@ def test_two_failures_in_a_row_fail_the_request_clearly_and_free_its_blocks(tiny
 def test_an_abort_during_the_retry_ends_it_without_another(tiny_model_dir, peer):
     h = prefill_with(tiny_model_dir, "drop+drop+drop", attempts=3)
     try:
-        h.send(Task("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
+        h.send(Task.of("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
         h.run_until(lambda: failures(h, "retried") == 1)  # the second attempt is in flight
         h.send(Abort("r"))
         h.run_until(lambda: len(h.worker.outgoing) == 0)
@@ -268,7 +268,7 @@ class Pair:
 
     def run(self, request_id: str) -> None:
         """Send one request and tick both workers until the decode side or prefill ends it."""
-        self.prefill.send(Task(request_id, PROMPT, LONG, self.prefill.reply_to,
+        self.prefill.send(Task.of(request_id, PROMPT, LONG, self.prefill.reply_to,
                                handoff_addr=self.decode.worker.kv_address))
         p, d = self.prefill, self.decode
         p.run_until(lambda: tick_once(d) or self._ended(request_id))

@@ -271,7 +271,7 @@ def test_an_abort_during_an_shm_transfer_frees_the_blocks_on_both_sides(pair):
     assert prefill.worker.engine.kv_segment is not None
     decode_.send(Abort("r"))
     tick_until([decode_], lambda: decode_.worker.incoming.was_aborted("r"), "the decode abort")
-    prefill.send(Task("r", PROMPT, GREEDY, prefill.reply_to, handoff_addr=decode_.worker.kv_address))
+    prefill.send(Task.of("r", PROMPT, GREEDY, prefill.reply_to, handoff_addr=decode_.worker.kv_address))
     tick_until([prefill], lambda: len(prefill.worker.outgoing) == 1, "the shipment")
     prefill.send(Abort("r"))
     tick_until([prefill], lambda: prefill.worker.clock.get("r") is None, "the prefill abort")
@@ -299,7 +299,7 @@ def test_a_copy_that_ends_after_its_loan_is_discarded_and_the_resend_taken(pair,
 
     prefill, decode_ = pair
     monkeypatch.setattr(inbox, "time", _LateClock)  # the inbox's clock only: accepts still check
-    prefill.send(Task("r", PROMPT, GREEDY, prefill.reply_to, handoff_addr=decode_.worker.kv_address))
+    prefill.send(Task.of("r", PROMPT, GREEDY, prefill.reply_to, handoff_addr=decode_.worker.kv_address))
     tick_until([prefill, decode_], lambda: failures(decode_, "loan_expired") == 1, "the late copy")
     assert decode_.held_blocks() == 0 and not decode_.worker.engine.has_request("r")
     monkeypatch.setattr(inbox, "time", time)

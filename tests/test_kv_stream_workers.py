@@ -61,7 +61,7 @@ class StreamPair:
         self.alive[name] = False
 
     def send(self, rid: str = "r") -> None:
-        self.prefill.send(Task(rid, PROMPT, LONG, self.prefill.reply_to,
+        self.prefill.send(Task.of(rid, PROMPT, LONG, self.prefill.reply_to,
                                handoff_addr=self.decode.worker.kv_address))
 
     def abort(self, rid: str = "r") -> None:
@@ -139,7 +139,7 @@ def test_streamed_equals_whole_colocated_and_hf_and_overlaps_the_prefill(tiny_mo
     pair.assert_idle()
     colocated = Harness(tiny_model_dir, WorkerRole.COLOCATED, chunk=CHUNK)
     try:
-        colocated.send(Task("c", PROMPT, LONG, colocated.reply_to))
+        colocated.send(Task.of("c", PROMPT, LONG, colocated.reply_to))
         colocated.run_until(lambda: colocated.finished("c") is not None)
         assert colocated.output("c") == whole
     finally:

@@ -21,6 +21,7 @@ from common.protocol import (
     Draining,
     Finished,
     Heartbeat,
+    Job,
     KVAck,
     KVEvents,
     KVHandoff,
@@ -57,7 +58,9 @@ PROMPT = [1, 15043, 29892, 920, 526, 366, 29973, 13, 4013, 338, 263, 1243, 3142,
 HASHES = hash_prefix_blocks(PROMPT, 4)
 
 EXAMPLES: list[Message] = [
-    Submit("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201"),
+    Submit.of("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201"),
+    Submit.of("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201", block_size=4),  # hashed by the gateway
+    Job(PROMPT, PARAMS),
     Admitted("req-1"),
     Queued("req-1"),
     Rejected("req-1", 429, "server busy: 256 requests already queued", 1.0),
@@ -67,8 +70,9 @@ EXAMPLES: list[Message] = [
     Ping(42),
     Status(42, 2, 3, 7, 4096, 60.0),
     Status(43, 0, 0, 0, None, 60.0),
-    Task("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201"),
-    Task("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201", "tcp://10.0.0.9:7300"),
+    Status(44, 1, 1, 0, 4096, 60.0, 16),
+    Task.of("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201"),
+    Task.of("req-1", PROMPT, PARAMS, "tcp://10.0.0.5:7201", "tcp://10.0.0.9:7300"),
     Tokens("req-1", 0, 0, [450]),
     Tokens("req-1", 1, 5, [450, 4996, 2], [LP, TokenLogprob(4996, -0.5, ((4996, -0.5),)),
                                           TokenLogprob(2, float("-inf"))],
@@ -222,7 +226,8 @@ def test_top_level_must_be_a_three_item_array():
             decode(data)
 
 
-SUBMIT = Submit("r", [1, 2], PARAMS, "tcp://x:1")
+SUBMIT = Submit.of("r", [1, 2], PARAMS, "tcp://x:1")
+JOB = Job([1, 2], PARAMS)
 HANDOFF = KVHandoff("t", "r", [1], [2], [None], [None], [False], SamplingParams(), "a", 0, 1, 8, [1, 2, 1, 1, 4], "float32")
 # 40 tokens in blocks of 16: blocks 0 and 1 are full, block 2 (8 tokens) is the last
 FINAL = KVHandoff("s/final", "r", list(range(40)), [2], [None], [None], [False], SamplingParams(),
@@ -242,15 +247,18 @@ WRONG_TYPES = [
     (Admitted("r"), "request_id", 17),  # int where str
     (Admitted("r"), "request_id", b"r"),  # bytes where str
     (Admitted("r"), "request_id", None),
-    (SUBMIT, "prompt_token_ids", [1, "2"]),  # list item
-    (SUBMIT, "prompt_token_ids", [1, True]),
-    (SUBMIT, "prompt_token_ids", [1, 2.0]),
-    (SUBMIT, "prompt_token_ids", [1, None]),
-    (SUBMIT, "prompt_token_ids", 12),  # not a list
-    (SUBMIT, "prompt_token_ids", None),
-    (SUBMIT, "params", {"max_tokens": 3}),  # a record travels as an array, not a map
-    (SUBMIT, "params", None),
-    (SUBMIT, "params", [16, 1.0]),  # too few fields
+    (JOB, "prompt_token_ids", [1, "2"]),  # list item
+    (JOB, "prompt_token_ids", [1, True]),
+    (JOB, "prompt_token_ids", [1, 2.0]),
+    (JOB, "prompt_token_ids", [1, None]),
+    (JOB, "prompt_token_ids", 12),  # not a list
+    (JOB, "prompt_token_ids", None),
+    (JOB, "params", {"max_tokens": 3}),  # a record travels as an array, not a map
+    (JOB, "params", None),
+    (JOB, "params", [16, 1.0]),  # too few fields
+    (SUBMIT, "job", [1, 2]),  # the job travels encoded, as bytes
+    (SUBMIT, "block_hashes", ["0123456789abcdef"]),  # str where bytes
+    (SUBMIT, "priority", None),
     (Tokens("r", 0, 0, []), "logprobs", [[-0.5, []], "x"]),
     (Tokens("r", 0, 0, [1]), "logprobs", [[1, "-0.5", []]]),
     (Tokens("r", 0, 0, [1]), "logprobs", [[1, -0.5, [[1]]]]),  # a top pair of one
@@ -316,7 +324,7 @@ def test_message_over_the_size_limit():
     with pytest.raises(ProtocolError, match="exceeds"):
         decode(b"\x00" * (MAX_MESSAGE_BYTES + 1))
     # a well-formed message is refused too once it is too big
-    big = encode(Submit("r", [1], PARAMS, "x" * MAX_MESSAGE_BYTES))
+    big = encode(Submit.of("r", [1], PARAMS, "x" * MAX_MESSAGE_BYTES))
     assert len(big) > MAX_MESSAGE_BYTES
     with pytest.raises(ProtocolError, match="exceeds"):
         decode(big)
@@ -324,7 +332,7 @@ def test_message_over_the_size_limit():
 
 def test_a_large_prompt_fits():
     prompt = list(range(30_000, 130_000))  # 100k tokens
-    msg = Submit("r", prompt, PARAMS, "tcp://x:1")
+    msg = Submit.of("r", prompt, PARAMS, "tcp://x:1")
     assert len(encode(msg)) < MAX_MESSAGE_BYTES
     assert decode(encode(msg)) == msg
 
@@ -363,9 +371,11 @@ def test_ext_types_are_rejected_in_typed_fields():
     with pytest.raises(ProtocolError):
         decode(raw(ext, 1, ["req-1"]))
     with pytest.raises(ProtocolError, match="wrong type"):
-        decode(raw("submit", 3, ["r", [1, ext], params_wire(), "tcp://x:1"]))
+        decode(raw("job", 1, [[1, ext], params_wire()]))
     with pytest.raises(ProtocolError, match="wrong type"):
-        decode(raw("submit", 3, ["r", [1], params_wire(seed=ext), "tcp://x:1"]))
+        decode(raw("job", 1, [[1], params_wire(seed=ext)]))
+    with pytest.raises(ProtocolError, match="wrong type"):
+        decode(with_field(SUBMIT, "job", ext))
     assert _CALLS == []
 
 
@@ -382,7 +392,7 @@ def params_wire(**overrides) -> list:
 def test_params_travel_typed_and_come_back_equal():
     params = SamplingParams(max_tokens=None, temperature=0.0, seed=7, stop=("a", "bc"),
                             stop_token_ids=(2,), n=3, logprobs=0, ignore_eos=True)
-    back = decode(encode(Task("r", [1], params, "tcp://x:1"))).params
+    back = decode(encode(Task.of("r", [1], params, "tcp://x:1"))).open().params
     assert back == params and type(back) is SamplingParams
     assert back.stop == ("a", "bc") and back.stop_token_ids == (2,)  # tuples again
 
@@ -395,9 +405,8 @@ def test_params_travel_typed_and_come_back_equal():
     {"stop": ["a"] * 17}, {"stop": [""]}, {"stop_token_ids": [-1]},
 ], ids=lambda p: ",".join(f"{k}={v!r}"[:30] for k, v in p.items()))
 def test_params_with_invalid_values_are_refused_where_decoded(override):
-    with pytest.raises(ProtocolError, match=r"task\.params"):
-        decode(with_field(Task("r", [1], SamplingParams(), "tcp://x:1"), "params",
-                          params_wire(**override)))
+    with pytest.raises(ProtocolError, match=r"job\.params"):
+        decode(with_field(Job([1], SamplingParams()), "params", params_wire(**override)))
 
 
 @pytest.mark.parametrize("override", [
@@ -405,9 +414,8 @@ def test_params_with_invalid_values_are_refused_where_decoded(override):
     {"logprobs": 1.5}, {"stop_token_ids": ["eos"]}, {"temperature": "hot"},
 ])
 def test_params_with_wrong_types_are_refused(override):
-    with pytest.raises(ProtocolError, match=r"task\.params\."):
-        decode(with_field(Task("r", [1], SamplingParams(), "tcp://x:1"), "params",
-                          params_wire(**override)))
+    with pytest.raises(ProtocolError, match=r"job\.params\."):
+        decode(with_field(Job([1], SamplingParams()), "params", params_wire(**override)))
 
 
 # ---- consistency checks: what types alone cannot say ----------------------------------
@@ -443,6 +451,10 @@ INCONSISTENT = [
     (PIECE, "stream_id", ""),
     (Tokens("r", 0, 0, [1, 2]), "logprobs", [[1, -0.5, []]]),  # one entry for two tokens
     (Tokens("r", 0, 0, []), "choice", -1),
+    (SUBMIT, "num_prompt_tokens", -1),
+    (Submit.of("r", PROMPT, PARAMS, "x", block_size=4), "block_hashes", HASHES[:3]),  # 16 tokens: 4 blocks
+    (Submit.of("r", PROMPT, PARAMS, "x", block_size=4), "block_hashes", [h[:8] for h in HASHES]),
+    (Submit.of("r", PROMPT, PARAMS, "x", block_size=4), "block_size", 0),  # hashes, but no size
     (Rejected("r", 429, "busy"), "status", 200),
     (Heartbeat("w", 0, 0, 5, 10), "free_blocks", 11),
     (Heartbeat("w", 0, 0, 5, 10), "prefix_hits", 1),  # more hits than queries
@@ -487,3 +499,29 @@ def test_a_mutated_message_is_refused_or_still_valid(index: int, slot: int, valu
         return
     assert type(back) is type(msg)
     assert encode(decode(encode(back))) == encode(back)  # consistent and re-encodable (NaN-safe)
+
+
+# ---- the job inside Submit and Task ---------------------------------------------------
+
+def test_the_gateway_states_the_header_from_the_job():
+    params = SamplingParams(max_tokens=9, priority=-3)
+    submit = decode(encode(Submit.of("r", PROMPT, params, "tcp://x:1", block_size=4)))
+    assert (submit.num_prompt_tokens, submit.max_tokens, submit.priority) == (16, 9, -3)
+    assert submit.block_hashes == HASHES and submit.open() == Job(PROMPT, params)
+    assert Submit.of("r", PROMPT, params, "x").block_hashes == []  # block size unknown: not hashed
+
+
+def test_a_task_carries_the_submits_job_bytes_unchanged():
+    submit = Submit.of("r", PROMPT, PARAMS, "tcp://x:1", block_size=4)
+    task = decode(encode(Task(submit.request_id, submit.reply_to, submit.job, "tcp://d:1")))
+    assert task.job == submit.job and task.open() == Job(PROMPT, PARAMS)
+    assert task == Task.of("r", PROMPT, PARAMS, "tcp://x:1", "tcp://d:1")
+
+
+@pytest.mark.parametrize("job", [b"", b"\xc1", encode(Admitted("r")),
+                                 raw("job", 1, [[1, "2"], params_wire()])],
+                         ids=["empty", "garbage", "not-a-job", "bad-token"])
+def test_a_bad_job_is_refused_where_it_is_opened(job: bytes):
+    task = decode(encode(Task("r", "tcp://x:1", job)))  # the envelope itself is fine
+    with pytest.raises(ProtocolError):
+        task.open()

@@ -176,7 +176,7 @@ async def test_router_admits_a_high_priority_request_ahead_of_queued_low_priorit
     from tests.test_router import PROMPT
 
     def submit(request_id: str, priority: int) -> Submit:
-        return Submit(request_id, PROMPT, SamplingParams(max_tokens=8, priority=priority),
+        return Submit.of(request_id, PROMPT, SamplingParams(max_tokens=8, priority=priority),
                       "tcp://gateway:7201")
 
     w = await c.worker("w1")

@@ -552,7 +552,7 @@ def serve(**overrides):
 
 
 def submit(request_id: str, tokens: list[int] = PROMPT) -> Submit:
-    return Submit(request_id, tokens, SamplingParams(max_tokens=8), "tcp://gateway:7201")
+    return Submit.of(request_id, tokens, SamplingParams(max_tokens=8), "tcp://gateway:7201")
 
 
 @serve()
@@ -571,7 +571,7 @@ async def test_colocated_worker_gets_the_task_and_the_gateway_is_admitted(c: Clu
     gw = await c.gateway()
     await gw.send(submit("r1"))
     task = await w.expect(Task)
-    assert task == Task("r1", PROMPT, SamplingParams(max_tokens=8), "tcp://gateway:7201", None)
+    assert task == Task.of("r1", PROMPT, SamplingParams(max_tokens=8), "tcp://gateway:7201", None)
     assert await gw.expect(Admitted) == Admitted("r1")
     info = c.service.registry.workers["w1"]
     assert info.outstanding_tokens == len(PROMPT)
@@ -858,14 +858,14 @@ async def test_ping_reports_worker_counts(c: Cluster):
     gw = await c.gateway()
     status = await c.status(gw)
     assert (status.prefill_workers, status.decode_workers) == (0, 0)
-    assert (status.queue_length, status.max_model_len) == (0, None)
+    assert (status.queue_length, status.max_model_len, status.block_size) == (0, None, None)
     await c.worker("p1", "prefill", max_model_len=4096)
     await c.worker("d1", "decode", max_model_len=2048)
     await c.worker("d2", "decode", max_model_len=8192)
     await c.worker("c1", "colocated", max_model_len=3072)
     status = await c.status(gw)
     assert (status.prefill_workers, status.decode_workers) == (2, 3)
-    assert (status.queue_length, status.max_model_len) == (0, 2048)
+    assert (status.queue_length, status.max_model_len, status.block_size) == (0, 2048, BS)
 
 
 @serve()
@@ -887,7 +887,7 @@ async def test_bad_frames_are_dropped_and_the_router_keeps_serving(c: Cluster):
     gw = await c.gateway()
     await gw.sock.send(b"\xc1garbage")
     await gw.sock.send_multipart([b"two", b"frames"])
-    await gw.send(Task("r", [1], SamplingParams(), "x"))  # a valid message the router does not take
+    await gw.send(Task.of("r", [1], SamplingParams(), "x"))  # a valid message the router does not take
     assert (await c.status(gw)).queue_length == 0
 
 
@@ -897,15 +897,45 @@ def test_out_of_range_token_ids_do_not_kill_the_router(tokens):
     async def body(c: Cluster):
         await c.worker("w1")
         gw = await c.gateway()
-        await gw.send(submit("bad", tokens))
+        await gw.send(submit("bad", tokens))  # not hashed by the gateway: the router opens it
         await gw.send(Ping(99))
-        answer = asyncio.ensure_future(gw.sock.recv())
+        answer = asyncio.ensure_future(gw.expect(Rejected))
         done, _ = await asyncio.wait({answer, c.task}, timeout=TIMEOUT,
                                      return_when=asyncio.FIRST_COMPLETED)
-        answer.cancel()
         assert c.task not in done, "the router stopped"
+        assert (answer.result().request_id, answer.result().status) == ("bad", 400)
+        assert c.service.requests == {} and not c.service.queue
 
     body()
+
+
+@serve()
+async def test_the_router_places_on_the_gateways_hashes_and_never_opens_the_job(c: Cluster):
+    a = await c.worker("a")
+    b = await c.worker("b")
+    await b.send(KVEvents("b", stored=HASHES[:3]))
+    gw = await c.gateway()
+    assert (await c.status(gw)).block_size == BS  # what the gateway hashes in
+    hashed = Submit.of("r1", PROMPT, SamplingParams(max_tokens=8), "tcp://gateway:7201", BS)
+    unreadable = replace(hashed, job=b"\xc1 not a job")
+    await gw.send(unreadable)
+    task = await b.expect(Task)  # placed by the header's hashes alone
+    assert (task.request_id, task.job) == ("r1", unreadable.job)  # passed on as it came
+    await gw.expect(Admitted)
+    assert c.service.registry.workers["b"].outstanding_tokens == len(PROMPT) - 3 * BS
+    await c.assert_quiet(a)
+
+
+@serve()
+async def test_a_submit_hashed_in_another_block_size_is_hashed_by_the_router(c: Cluster):
+    a = await c.worker("a")
+    b = await c.worker("b")
+    await b.send(KVEvents("b", stored=HASHES[:3]))
+    gw = await c.gateway()
+    await gw.send(Submit.of("r1", PROMPT, SamplingParams(max_tokens=8), "tcp://gateway:7201", BS * 2))
+    assert (await b.expect(Task)).request_id == "r1"
+    assert c.service.registry.workers["b"].outstanding_tokens == len(PROMPT) - 3 * BS
+    await c.assert_quiet(a)
 
 
 def test_while_a_dead_prefill_worker_is_expected_back_requests_queue(clock):

@@ -188,7 +188,7 @@ def disagg_router(**kw):
 
 
 def submit(request_id: str, tokens: list[int]) -> Submit:
-    return Submit(request_id, tokens, SamplingParams(max_tokens=8), "tcp://gateway:7201")
+    return Submit.of(request_id, tokens, SamplingParams(max_tokens=8), "tcp://gateway:7201")
 
 
 async def pd(c: Cluster):

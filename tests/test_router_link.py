@@ -11,7 +11,8 @@ import zmq
 import zmq.asyncio
 
 from common.addresses import free_port
-from common.protocol import Admitted, Queued, Submit, decode, encode
+from common.hashing import hash_prefix_blocks
+from common.protocol import Admitted, Ping, Queued, Status, Submit, decode, encode
 from common.sampling_params import SamplingParams
 from services.gateway.router_link import REACH_S, RouterLink, RouterUnavailable
 from tests.conftest import ManualClock
@@ -40,9 +41,8 @@ def test_a_long_outage_refuses_a_new_request_after_one_try_and_a_returning_route
             try:
                 pending = asyncio.create_task(link.submit(
                     "r2", [1, 2, 3], SamplingParams(max_tokens=2), timeout=5.0))
-                gateway, data = await asyncio.wait_for(router.recv_multipart(), 30)
-                submit = decode(data)
-                assert isinstance(submit, Submit) and submit.request_id == "r2"
+                gateway, submit = await _next_submit(router)
+                assert submit.request_id == "r2"
                 assert link.unreachable_for() is None
                 await router.send_multipart([gateway, encode(Queued("r2"))])
                 await router.send_multipart([gateway, encode(Admitted("r2"))])
@@ -55,3 +55,58 @@ def test_a_long_outage_refuses_a_new_request_after_one_try_and_a_returning_route
             await link.close()
 
     asyncio.run(main())
+
+
+
+async def _next_submit(router: zmq.asyncio.Socket) -> tuple[bytes, Submit]:
+    """The next Submit the router socket reads, past any Ping (the link asking for the
+    block size: left unanswered)."""
+    while True:
+        gateway, data = await asyncio.wait_for(router.recv_multipart(), 30)
+        msg = decode(data)
+        if isinstance(msg, Submit):
+            return gateway, msg
+        assert isinstance(msg, Ping)
+
+
+def test_the_link_learns_the_block_size_and_hashes_the_prompt_in_it():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    prompt = list(range(10, 30))  # 20 tokens: 2 full blocks of 8
+    params = SamplingParams(max_tokens=2)
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)
+        link = RouterLink(address, "tcp://127.0.0.1:0")
+        link.start()
+        try:
+            # Block size unknown: the Submit goes unhashed (the router hashes it) and sets
+            # off a Ping; the two may arrive in either order.
+            pending = asyncio.create_task(link.submit("r1", prompt, params, timeout=5.0))
+            frames = [await asyncio.wait_for(router.recv_multipart(), 30) for _ in range(2)]
+            gateway = frames[0][0]
+            got = [decode(data) for _, data in frames]
+            submit = next(m for m in got if isinstance(m, Submit))
+            ping = next(m for m in got if isinstance(m, Ping))
+            assert (submit.block_size, submit.block_hashes, submit.num_prompt_tokens) == (0, [], 20)
+            assert submit.open().prompt_token_ids == prompt
+            await router.send_multipart([gateway, encode(Status(ping.nonce, 1, 1, 0, 4096, 60.0, 8))])
+            await router.send_multipart([gateway, encode(Admitted("r1"))])
+            await asyncio.wait_for(pending, 30)
+            deadline = asyncio.get_running_loop().time() + 30
+            while link.last_status is None:  # the Status is read by the link's own task
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            pending = asyncio.create_task(link.submit("r2", prompt, params, timeout=5.0))
+            _, submit = await _next_submit(router)
+            assert (submit.block_size, submit.block_hashes) == (8, hash_prefix_blocks(prompt, 8))
+            await router.send_multipart([gateway, encode(Admitted("r2"))])
+            await asyncio.wait_for(pending, 30)
+        finally:
+            await link.close()
+            router.close(linger=0)
+            ctx.term()
+
+    asyncio.run(main())
+

@@ -101,7 +101,7 @@ class Harness:
 
     def serve_one(self, request_id: str = "good") -> list[int]:
         """A good colocated request completes, and afterwards nothing is held."""
-        self.send(Task(request_id, PROMPT, GREEDY, self.reply_to))
+        self.send(Task.of(request_id, PROMPT, GREEDY, self.reply_to))
         self.run_until(lambda: len(self.output(request_id)) == GREEDY.max_tokens
                        and self.finished(request_id) is not None)
         self.assert_idle()
@@ -158,7 +158,7 @@ def ship(h: Harness, header: KVHandoff | bytes, frames: list[bytes]) -> list[KVA
 
 def test_a_bad_task_fails_alone(colocated: Harness):
     vocab = colocated.worker.engine.spec.vocab_size
-    colocated.send(Task("bad", [1, vocab + 5], GREEDY, colocated.reply_to))
+    colocated.send(Task.of("bad", [1, vocab + 5], GREEDY, colocated.reply_to))
     colocated.run_until(lambda: colocated.finished("bad") and colocated.errors("bad"))
     assert "not a token id" in colocated.finished("bad").error
     assert colocated.output("bad") == []
@@ -166,9 +166,9 @@ def test_a_bad_task_fails_alone(colocated: Harness):
 
 
 def test_a_duplicate_task_does_not_take_down_the_request_holding_the_id(colocated: Harness):
-    colocated.send(Task("r", PROMPT, replace(GREEDY, max_tokens=20), colocated.reply_to))
+    colocated.send(Task.of("r", PROMPT, replace(GREEDY, max_tokens=20), colocated.reply_to))
     colocated.run_until(lambda: len(colocated.output("r")) >= 1)
-    colocated.send(Task("r", PROMPT, GREEDY, colocated.reply_to))
+    colocated.send(Task.of("r", PROMPT, GREEDY, colocated.reply_to))
     colocated.run_until(lambda: colocated.finished("r") is not None)
     first = colocated.finished("r")
     assert first.error and "already in use" in first.error  # the duplicate failed ...
@@ -178,7 +178,7 @@ def test_a_duplicate_task_does_not_take_down_the_request_holding_the_id(colocate
 
 
 def test_an_abort_stops_the_work_and_frees_every_block(colocated: Harness):
-    colocated.send(Task("long", PROMPT, replace(GREEDY, max_tokens=500), colocated.reply_to))
+    colocated.send(Task.of("long", PROMPT, replace(GREEDY, max_tokens=500), colocated.reply_to))
     colocated.run_until(lambda: len(colocated.output("long")) >= 2)
     colocated.send(Abort("long"))
     colocated.run_until(lambda: colocated.worker.engine.stats().num_running == 0)
@@ -187,7 +187,7 @@ def test_an_abort_stops_the_work_and_frees_every_block(colocated: Harness):
 
 
 def test_a_prefill_only_task_to_a_worker_that_cannot_ship_fails_clearly(colocated: Harness):
-    colocated.send(Task("p", PROMPT, GREEDY, colocated.reply_to, handoff_addr="tcp://127.0.0.1:9"))
+    colocated.send(Task.of("p", PROMPT, GREEDY, colocated.reply_to, handoff_addr="tcp://127.0.0.1:9"))
     colocated.run_until(lambda: colocated.finished("p") is not None)
     assert "cannot ship KV" in colocated.finished("p").error
     colocated.assert_idle()
@@ -306,7 +306,7 @@ def prefill_worker(tiny_model_dir) -> Iterator[tuple[Harness, object]]:
 
 def test_a_nack_fails_the_request_and_frees_the_prefill_blocks(prefill_worker):
     h, peer = prefill_worker
-    h.send(Task("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
+    h.send(Task.of("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
     got = []
     h.run_until(lambda: bool(got.extend(peer.poll(0)) or got))
     peer.ack(got[0], ok=False, reason="no room")
@@ -320,7 +320,7 @@ def test_a_nack_fails_the_request_and_frees_the_prefill_blocks(prefill_worker):
 
 def test_an_unacked_transfer_expires_and_frees_the_prefill_blocks(prefill_worker):
     h, peer = prefill_worker
-    h.send(Task("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
+    h.send(Task.of("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
     h.run_until(lambda: any(isinstance(m, Finished) for m in h.from_worker))
     [done] = [m for m in h.from_worker if isinstance(m, Finished)]
     assert done.error == "KV transfer lease expired"
@@ -330,7 +330,7 @@ def test_an_unacked_transfer_expires_and_frees_the_prefill_blocks(prefill_worker
 
 def test_an_acked_transfer_finishes_the_prefill_stage(prefill_worker):
     h, peer = prefill_worker
-    h.send(Task("r", PROMPT, replace(GREEDY, n=2, temperature=0.5, seed=1), h.reply_to,
+    h.send(Task.of("r", PROMPT, replace(GREEDY, n=2, temperature=0.5, seed=1), h.reply_to,
                 handoff_addr=peer.address))
     got = []
     h.run_until(lambda: bool(got.extend(peer.poll(0)) or got))
@@ -353,7 +353,7 @@ def test_protocol_errors_are_value_errors_the_cli_reports():
 
 @pytest.mark.parametrize("lost_work", [False, True])
 def test_a_reregister_keeps_or_drops_the_work_as_the_router_says(colocated: Harness, lost_work):
-    colocated.send(Task("r", PROMPT, replace(GREEDY, max_tokens=200), colocated.reply_to))
+    colocated.send(Task.of("r", PROMPT, replace(GREEDY, max_tokens=200), colocated.reply_to))
     colocated.run_until(lambda: len(colocated.output("r")) >= 2)
     colocated.send(Reregister(colocated.worker.s.worker_id, lost_work=lost_work))
     colocated.run_until(lambda: any(isinstance(m, Register) for m in colocated.from_worker))
@@ -376,7 +376,7 @@ def test_a_structured_output_failure_fails_its_request_alone(colocated: Harness,
 
     monkeypatch.setattr(GrammarCache, "new_matcher", refuse)
     params = replace(GREEDY, structured=StructuredOutput(StructuredKind.REGEX, "a+"))
-    colocated.send(Task("so", PROMPT, params, colocated.reply_to))
+    colocated.send(Task.of("so", PROMPT, params, colocated.reply_to))
     colocated.run_until(lambda: colocated.finished("so") and colocated.errors("so"))
     assert "too complex" in colocated.errors("so")[0] and colocated.output("so") == []
     assert "too complex" in colocated.finished("so").error

@@ -50,6 +50,7 @@ CONNECT_GRACE_MS = 1000  # how long a message waits for the router's connection 
 # then refused, instead of each waiting out another REACH_S of a long outage.
 ACK_S = 1.0
 REACH_S = 10.0
+STATUS_REFRESH_S = 1.0  # while the workers' block size is unknown, ask at most this often
 
 
 class RouterUnavailable(Exception):
@@ -89,12 +90,16 @@ class RouterLink:
         self._nonces = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.last_status: Status | None = None
+        self._status_refresh: asyncio.Task | None = None  # a ping to learn the block size
+        self._status_asked = -STATUS_REFRESH_S
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read(self._router)),
                        asyncio.create_task(self._read(self._pull))]
 
     async def close(self) -> None:
+        if self._status_refresh is not None:
+            self._tasks.append(self._status_refresh)
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -114,7 +119,8 @@ class RouterLink:
         self._admissions[request_id] = decided
         self._acks[request_id] = heard
         try:
-            await self._deliver(Submit(request_id, prompt, params, self.reply_to), heard)
+            await self._deliver(Submit.of(request_id, prompt, params, self.reply_to,
+                                          self._block_size()), heard)
             verdict = await asyncio.wait_for(decided, timeout)
         except RouterUnavailable:
             self.release(request_id)
@@ -169,6 +175,20 @@ class RouterLink:
             raise RouterUnavailable(f"the router did not answer within {timeout:g} s") from None
         finally:
             self._surveys.pop(nonce, None)
+
+    def _block_size(self) -> int:
+        """The block size a Submit hashes its prompt in: the prefill workers' as the last
+        ``Status`` said; 0 (not hashed: the router hashes) while unknown, and then a ping in
+        the background, at most one per ``STATUS_REFRESH_S``, asks again."""
+        status = self.last_status
+        if status is not None and status.block_size:
+            return status.block_size
+        now = self._clock()
+        if (self._status_refresh is None or self._status_refresh.done()) and \
+                now - self._status_asked >= STATUS_REFRESH_S:
+            self._status_asked = now
+            self._status_refresh = asyncio.create_task(self.status())
+        return 0
 
     def unreachable_for(self) -> float | None:
         """Seconds since a send to the router first failed with none succeeding after it;

@@ -1,7 +1,9 @@
 """The router process: one ROUTER socket that gateways and workers connect to.
 
 It owns the placement of every request (which prefill worker, which decode worker) and
-the admission queue; it never touches tokens or KV. A request's life here:
+the admission queue; it never touches tokens or KV: a ``Submit``'s header (prompt length,
+block hashes, priority) is all placement reads, and its ``Job`` goes on to the worker
+unopened. A request's life here:
 submit → queued (``Queued`` to the gateway) or placed (``Task`` to the prefill worker, or
 to the decode worker itself when ``DisaggRule`` says its prompt is better prefilled there;
 ``Admitted`` to the gateway)
@@ -59,7 +61,7 @@ from common.protocol import (
     encode,
 )
 from common.roles import FinishStage, WorkerRole
-from common.rules import check_context, check_token_ids, decode_blocks_needed
+from common.rules import check_context, decode_blocks_needed
 from services.router.admission import AdmissionQueue, Refusal
 from services.router.disagg import (
     CostGauges,
@@ -124,11 +126,19 @@ class Routed:
     submit: Submit
     gateway: bytes
     arrival: float
-    hashes: dict[int, list[BlockHash]] = field(default_factory=dict)  # by block size
+    hashes: dict[int, list[BlockHash]] = field(default_factory=dict)  # other block sizes
 
     def block_hashes(self, block_size: int) -> list[BlockHash]:
+        """The prompt's block hashes in ``block_size``: the gateway's, or (when it hashed in
+        another size, or not at all) our own, from the opened job."""
+        if block_size == self.submit.block_size:
+            return self.submit.block_hashes
         if block_size not in self.hashes:
-            self.hashes[block_size] = hash_prefix_blocks(self.submit.prompt_token_ids, block_size)
+            try:
+                tokens = self.submit.open().prompt_token_ids
+                self.hashes[block_size] = hash_prefix_blocks(tokens, block_size)
+            except (ProtocolError, TypeError, ValueError, OverflowError) as e:
+                raise InvalidRequestError(f"the request cannot be read: {e}", "prompt") from None
         return self.hashes[block_size]
 
 
@@ -269,7 +279,7 @@ class RouterService:
         if problem is not None:
             await self._refuse(routed, problem)
         elif self.queue or not await self._try_place(routed):
-            refusal = self.queue.offer(routed, routed.arrival, msg.params.priority)
+            refusal = self.queue.offer(routed, routed.arrival, msg.priority)
             if refusal is not None:
                 await self._refuse(routed, refusal)
             else:
@@ -281,10 +291,11 @@ class RouterService:
         if not self.registry.prefill_workers() and not self._prefill_expected_back():
             return NO_PREFILL
         try:
-            check_token_ids(msg.prompt_token_ids, None)
+            if not msg.num_prompt_tokens:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
             limit = self.registry.max_model_len()
             if limit is not None:
-                check_context(len(msg.prompt_token_ids), msg.params.max_tokens, limit)
+                check_context(msg.num_prompt_tokens, msg.max_tokens, limit)
         except InvalidRequestError as e:
             return Refusal(400, e.message, 0.0)
         return None
@@ -313,9 +324,11 @@ class RouterService:
 
     async def _on_ping(self, identity: bytes, msg: Ping) -> None:
         reg = self.registry
-        await self._send(identity, Status(msg.nonce, len(reg.prefill_workers()), len(reg.decode_workers()),
+        prefill = reg.prefill_workers()
+        await self._send(identity, Status(msg.nonce, len(prefill), len(reg.decode_workers()),
                                           len(self.queue), reg.max_model_len(),
-                                          self.settings.queue_timeout))
+                                          self.settings.queue_timeout,
+                                          prefill[0].block_size if prefill else None))
 
     async def _on_survey(self, identity: bytes, msg: Survey) -> None:
         await self._send(identity, Roster(msg.nonce, self.registry.views(self._clock()),
@@ -394,12 +407,20 @@ class RouterService:
     # ---- placement ----------------------------------------------------------------
 
     async def _try_place(self, routed: Routed) -> bool:
+        """Place ``routed`` now if a worker can take it; False leaves it where it was. A
+        request that can never be placed (its job unreadable) is refused, and counts as
+        handled (True)."""
         prefill_workers = self.registry.prefill_workers()
         if not prefill_workers:
             return False
         block_size = prefill_workers[0].block_size
-        req = PlacementRequest(routed.submit.request_id, len(routed.submit.prompt_token_ids),
-                               routed.block_hashes(block_size), block_size)
+        try:
+            hashes = routed.block_hashes(block_size)
+        except InvalidRequestError as e:  # done with: refused, so out of the queue too
+            await self._refuse(routed, Refusal(400, e.message, 0.0))
+            return True
+        req = PlacementRequest(routed.submit.request_id, routed.submit.num_prompt_tokens,
+                               hashes, block_size)
         chosen = await place(req, prefill_workers, self._prefill_steps)
         if chosen is not None and chosen.worker.role is not WorkerRole.PREFILL:
             return await self._assign(routed, req, chosen.worker, chosen.cached_tokens, None)
@@ -445,8 +466,8 @@ class RouterService:
         self.ledger.charge(req.request_id, runner, tokens, decode, blocks)
         submit = routed.submit
         handoff = decode.kv_addr if decode is not None and decode is not runner else None
-        await self._send(runner.worker_id.encode(), Task(
-            submit.request_id, submit.prompt_token_ids, submit.params, submit.reply_to, handoff))
+        await self._send(runner.worker_id.encode(), Task(submit.request_id, submit.reply_to,
+                                                          submit.job, handoff))
         await self._send(routed.gateway, Admitted(submit.request_id))
         self.requests[submit.request_id] = routed
         self._placements.labels(runner.worker_id).inc()
