@@ -71,7 +71,8 @@ class Candidates:
         """The highest score; the first of equal ones (``max`` keeps the first)."""
         if not self.workers:
             return None
-        i = max(range(len(self.workers)), key=self.scores.__getitem__)
+        scores = self.scores
+        i = scores.index(max(scores))
         return Candidate(self.workers[i], self.scores[i], self.cached[i])
 
 
@@ -97,8 +98,10 @@ def with_cached_prefix(index: PrefixIndex) -> Step:
         if not matched:
             cands.cached = [0] * len(cands)
             return cands
-        held = matched.get
-        cands.cached = [req.cached_tokens(b) if (b := held(w.worker_id)) else 0 for w in cands.workers]
+        # Each matched worker's tokens, looked up by id: most workers hold none of the prompt.
+        tokens = {worker: req.cached_tokens(blocks) for worker, blocks in matched.items()}
+        held = tokens.get
+        cands.cached = [held(w.worker_id, 0) for w in cands.workers]
         return cands
 
     return step
@@ -186,14 +189,15 @@ def has_room_for_prompt() -> Step:
 
     async def step(req: PlacementRequest, cands: Candidates) -> Candidates:
         need = decode_blocks_needed(req.num_prompt_tokens, req.block_size)
-        return cands.keep([w.available_blocks >= need for w in cands.workers])
+        # ``available_blocks`` spelt out: a property call per worker doubled this step.
+        return cands.keep([w.free_blocks - w.reserved_blocks >= need for w in cands.workers])
 
     return step
 
 
 def most_free_blocks() -> Step:
     async def step(req: PlacementRequest, cands: Candidates) -> Candidates:
-        cands.scores = [s + w.available_blocks / (w.num_blocks if w.num_blocks > 1 else 1)
+        cands.scores = [s + (w.free_blocks - w.reserved_blocks) / (w.num_blocks if w.num_blocks > 1 else 1)
                         for s, w in zip(cands.scores, cands.workers, strict=True)]
         return cands
 
