@@ -49,7 +49,7 @@ class Submit(Message):
 
     The gateway states what the router needs of the job (its length, ``max_tokens`` and
     ``priority``) and hashes the prompt's full blocks in the workers' block size, which
-    the router's ``Status`` tells it (``block_size`` 0: not hashed; the router then opens
+    the router's ``Status`` tells it (``block_size`` None: not hashed; the router then opens
     the job and hashes it itself). ``Submit.of`` builds the header from the job, so the two
     agree; nothing downstream trusts the header for correctness (the worker checks the
     job's own tokens and context), only for where the request goes."""
@@ -59,13 +59,13 @@ class Submit(Message):
     num_prompt_tokens: int
     max_tokens: int | None
     priority: int
-    block_size: int  # of ``block_hashes``; 0 when the gateway did not hash
+    block_size: int | None  # of ``block_hashes``; None when the gateway did not hash
     block_hashes: list[bytes]  # ``common.hashing.hash_prefix_blocks`` of the prompt
     job: bytes  # an encoded ``Job``
 
     def __post_init__(self) -> None:
-        _require(self.num_prompt_tokens >= 0 and self.block_size >= 0,
-                 "submit: negative prompt length or block size")
+        _require(self.num_prompt_tokens >= 0 and (self.block_size is None or self.block_size >= 1),
+                 "submit: a negative prompt length or a block size below 1")
         expected = self.num_prompt_tokens // self.block_size if self.block_size else 0
         _require(len(self.block_hashes) == expected,
                  f"submit: {len(self.block_hashes)} block hashes for {self.num_prompt_tokens} "
@@ -75,7 +75,7 @@ class Submit(Message):
 
     @classmethod
     def of(cls, request_id: str, prompt: list[int], params: SamplingParams, reply_to: str,
-           block_size: int = 0) -> Submit:
+           block_size: int | None = None) -> Submit:
         hashes = hash_prefix_blocks(prompt, block_size) if block_size else []
         return cls(request_id, reply_to, len(prompt), params.max_tokens, params.priority,
                    block_size, hashes, encode(Job(prompt, params)))

@@ -454,7 +454,8 @@ INCONSISTENT = [
     (SUBMIT, "num_prompt_tokens", -1),
     (Submit.of("r", PROMPT, PARAMS, "x", block_size=4), "block_hashes", HASHES[:3]),  # 16 tokens: 4 blocks
     (Submit.of("r", PROMPT, PARAMS, "x", block_size=4), "block_hashes", [h[:8] for h in HASHES]),
-    (Submit.of("r", PROMPT, PARAMS, "x", block_size=4), "block_size", 0),  # hashes, but no size
+    (Submit.of("r", PROMPT, PARAMS, "x", block_size=4), "block_size", None),  # hashes, but no size
+    (Submit.of("r", PROMPT, PARAMS, "x"), "block_size", 0),  # absent is None, not 0
     (Rejected("r", 429, "busy"), "status", 200),
     (Heartbeat("w", 0, 0, 5, 10), "free_blocks", 11),
     (Heartbeat("w", 0, 0, 5, 10), "prefix_hits", 1),  # more hits than queries

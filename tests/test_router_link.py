@@ -89,7 +89,7 @@ def test_the_link_learns_the_block_size_and_hashes_the_prompt_in_it():
             got = [decode(data) for _, data in frames]
             submit = next(m for m in got if isinstance(m, Submit))
             ping = next(m for m in got if isinstance(m, Ping))
-            assert (submit.block_size, submit.block_hashes, submit.num_prompt_tokens) == (0, [], 20)
+            assert (submit.block_size, submit.block_hashes, submit.num_prompt_tokens) == (None, [], 20)
             assert submit.open().prompt_token_ids == prompt
             await router.send_multipart([gateway, encode(Status(ping.nonce, 1, 1, 0, 4096, 60.0, 8))])
             await router.send_multipart([gateway, encode(Admitted("r1"))])

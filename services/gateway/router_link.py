@@ -176,9 +176,9 @@ class RouterLink:
         finally:
             self._surveys.pop(nonce, None)
 
-    def _block_size(self) -> int:
+    def _block_size(self) -> int | None:
         """The block size a Submit hashes its prompt in: the prefill workers' as the last
-        ``Status`` said; 0 (not hashed: the router hashes) while unknown, and then a ping in
+        ``Status`` said; None (not hashed: the router hashes) while unknown, and then a ping in
         the background, at most one per ``STATUS_REFRESH_S``, asks again."""
         status = self.last_status
         if status is not None and status.block_size:
@@ -188,7 +188,7 @@ class RouterLink:
                 now - self._status_asked >= STATUS_REFRESH_S:
             self._status_asked = now
             self._status_refresh = asyncio.create_task(self.status())
-        return 0
+        return None
 
     def unreachable_for(self) -> float | None:
         """Seconds since a send to the router first failed with none succeeding after it;
