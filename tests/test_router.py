@@ -909,12 +909,17 @@ def test_out_of_range_token_ids_do_not_kill_the_router(tokens):
     body()
 
 
-@serve()
-async def test_the_router_places_on_the_gateways_hashes_and_never_opens_the_job(c: Cluster):
+async def _b_caches_three_blocks(c: Cluster):
+    """Workers ``a`` and ``b``, ``b`` holding the prompt's first three blocks; a gateway."""
     a = await c.worker("a")
     b = await c.worker("b")
     await b.send(KVEvents("b", stored=HASHES[:3]))
-    gw = await c.gateway()
+    return a, b, await c.gateway()
+
+
+@serve()
+async def test_the_router_places_on_the_gateways_hashes_and_never_opens_the_job(c: Cluster):
+    a, b, gw = await _b_caches_three_blocks(c)
     assert (await c.status(gw)).block_size == BS  # what the gateway hashes in
     hashed = Submit.of("r1", PROMPT, SamplingParams(max_tokens=8), "tcp://gateway:7201", BS)
     unreadable = replace(hashed, job=b"\xc1 not a job")
@@ -928,10 +933,7 @@ async def test_the_router_places_on_the_gateways_hashes_and_never_opens_the_job(
 
 @serve()
 async def test_a_submit_hashed_in_another_block_size_is_hashed_by_the_router(c: Cluster):
-    a = await c.worker("a")
-    b = await c.worker("b")
-    await b.send(KVEvents("b", stored=HASHES[:3]))
-    gw = await c.gateway()
+    a, b, gw = await _b_caches_three_blocks(c)
     await gw.send(Submit.of("r1", PROMPT, SamplingParams(max_tokens=8), "tcp://gateway:7201", BS * 2))
     assert (await b.expect(Task)).request_id == "r1"
     assert c.service.registry.workers["b"].outstanding_tokens == len(PROMPT) - 3 * BS
