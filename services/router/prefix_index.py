@@ -5,10 +5,14 @@ cache. Because router and workers hash blocks with the same function
 (``common.hashing``), a request's block hashes can be looked up directly: no guessing
 from text, and an evicted prefix stops attracting requests as soon as it is gone.
 
-Two views of the same facts, kept in step by every change: each worker's set of blocks,
-and each block's holders as a bit mask over worker slots. The second lets ``matches``
-find every worker's cached prefix of a prompt in one walk down the prompt's blocks,
-touching only the workers that hold its first block, however many workers there are.
+Two views of the same facts, kept in step by every change: each worker's blocks, and
+each block's holders as a bit mask over worker slots. The second lets ``matches`` find
+every worker's cached prefix of a prompt in one walk down the prompt's blocks, touching
+only the workers that hold its first block, however many workers there are.
+
+Both are dicts of bytes to ``None`` or to an int, never sets: CPython's garbage collector
+does not track a dict that holds only such atomic values, but it walks every set on each
+full collection, which with a million indexed blocks paused the router ~85 ms at a time.
 """
 
 from __future__ import annotations
@@ -22,25 +26,26 @@ from common.protocol import KVEvents
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._blocks: dict[str, set[BlockHash]] = {}
+        self._blocks: dict[str, dict[BlockHash, None]] = {}  # worker -> its blocks (a set)
         self._holders: dict[BlockHash, int] = {}  # block -> bit mask of the slots holding it
         self._slots: dict[str, int] = {}  # worker -> its slot, while it is indexed
         self._workers: dict[int, str] = {}  # slot -> worker
         self._free: list[int] = []  # slots of dropped workers, for reuse
 
     def apply(self, events: KVEvents) -> None:
-        held = self._blocks.setdefault(events.worker_id, set())
+        held = self._blocks.setdefault(events.worker_id, {})
         bit = 1 << self._slot(events.worker_id)
         if events.cleared:
             self._unset(held, bit)
             held.clear()
-        gone = held.intersection(events.evicted)
+        gone = [block_hash for block_hash in dict.fromkeys(events.evicted) if block_hash in held]
         self._unset(gone, bit)
-        held.difference_update(gone)
+        for block_hash in gone:
+            del held[block_hash]
         holders = self._holders
         for block_hash in events.stored:
             if block_hash not in held:
-                held.add(block_hash)
+                held[block_hash] = None
                 holders[block_hash] = holders.get(block_hash, 0) | bit
 
     def drop_worker(self, worker_id: str) -> None:
