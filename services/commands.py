@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -141,6 +142,15 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def _freeze_startup_heap() -> None:
+    """Keep what startup built (modules, the model's Python objects, the service) out of
+    every later garbage collection: it lives as long as the process, and a full collection
+    walking it stalls the loop (~50-70 ms in a loaded router, 115-320 ms for a worker's
+    ~335k objects). Startup's own garbage is collected first."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_router(args: argparse.Namespace) -> int:
     from services.router.disagg import disagg_rule
     from services.router.service import RouterService, RouterSettings
@@ -157,7 +167,9 @@ def run_router(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await RouterService(settings).run(stop)
+        service = RouterService(settings)
+        _freeze_startup_heap()
+        await service.run(stop)
 
     asyncio.run(main())
     return 0
@@ -183,6 +195,7 @@ def run_worker(args: argparse.Namespace) -> int:
         config = replace(config, cache=replace(config.cache, shared_memory=True))
     engine = Engine(config, detokenize=False)
     service = WorkerService(settings, engine)
+    _freeze_startup_heap()
     for sig in (signal.SIGINT, signal.SIGTERM):  # the first drains, a second stops at once
         signal.signal(sig, lambda *_: service.request_drain())
     service.run()  # returns once its sockets, threads and cache are closed
@@ -214,7 +227,9 @@ def run_gateway(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, request_timeout=args.request_timeout,
         admission_timeout=args.admission_timeout, drain_timeout=args.drain_timeout,
         tool_call_parser=args.tool_call_parser)
-    serve(create_app(settings), args.host, args.port)  # returns once drained and closed
+    app = create_app(settings)
+    _freeze_startup_heap()
+    serve(app, args.host, args.port)  # returns once drained and closed
     _exit_at_once(0)
 
 
