@@ -2,7 +2,7 @@
 
     tandem up                                            a local cluster on :8000
     tandem generate --prompts in.jsonl --out out.jsonl   offline generation
-    tandem bench offline|serve|sweep|plot|kv-transfer|router|structured    benchmarks
+    tandem bench offline|serve|sweep|plot|kv-transfer|router|gateway|structured    benchmarks
     tandem router|prefill|decode|worker|gateway          one service (what compose runs)
 
 Startup errors a user can fix (missing model, unsupported architecture, bad flag values,
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from loadtest import (
+        gateway_stream,
         kv_transfer,
         offline,
         router_bench,
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_plots.add_arguments(bench_sub.add_parser("plot", help="overlay sweep JSONs in one set of plots"))
     kv_transfer.add_arguments(bench_sub.add_parser("kv-transfer", help="KV connector vs raw ZeroMQ"))
     router_bench.add_arguments(bench_sub.add_parser("router", help="one router against a simulated fleet"))
+    gateway_stream.add_arguments(bench_sub.add_parser(
+        "gateway", help="the gateway's CPU per streamed token, against a fake router"))
     structured_overhead.add_arguments(bench_sub.add_parser(
         "structured", help="per-output-token cost of a JSON-schema constraint, c1 and c16"))
     return parser
