@@ -111,8 +111,10 @@ def test_with_no_worker_left_the_stream_ends_in_a_clear_error(model_dir):
 
 
 def test_a_prefill_worker_killed_mid_prefill_is_replaced_by_the_other(model_dir):
-    prompt = [(7 * i) % 40000 + 100 for i in range(1900)]  # ~120 chunks of 16 tokens
-    extra = ("--num-kv-blocks", "512", "--max-num-batched-tokens", "16")
+    # ~240 chunks of 8 tokens: long enough to be caught mid-prefill on a fast machine
+    # under a loaded suite (chunks of 16 were done in under 0.5 s once, before a poll saw them)
+    prompt = [(7 * i) % 40000 + 100 for i in range(1900)]
+    extra = ("--num-kv-blocks", "512", "--max-num-batched-tokens", "8")
     with Cluster(str(model_dir), prefill=2, decode=1, extra=extra) as cluster:
         result: dict = {}
         sender = threading.Thread(target=lambda: result.update(httpx.post(
