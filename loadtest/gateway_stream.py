@@ -28,6 +28,7 @@ import zmq
 from common.addresses import free_ports
 from common.outputs import FinishReason
 from common.protocol import Admitted, Ping, Status, Submit, Tokens, decode, encode
+from loadtest.children import stop, wait_answering
 from loadtest.router_metrics import cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +99,7 @@ def bench(tokens: int, paces_ms: list[float], rounds: int, model: str | None = N
         cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        model_name = _wait_ready(url, gateway)
+        model_name = wait_answering(gateway, lambda: _served_model(url), "gateway", 120)
         streams = []
         for pace in paces_ms:
             router.pace_s = pace / 1e3
@@ -107,27 +108,16 @@ def bench(tokens: int, paces_ms: list[float], rounds: int, model: str | None = N
                 say(row(streams[-1]))
         return streams
     finally:
-        gateway.terminate()
-        try:
-            gateway.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
-            gateway.wait()
+        stop(gateway, grace=30)
 
 
-def _wait_ready(url: str, gateway: subprocess.Popen, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if gateway.poll() is not None:
-            raise RuntimeError(f"the gateway exited ({gateway.returncode})")
-        try:
-            models = httpx.get(f"{url}/v1/models", timeout=2)
-            if models.status_code == 200:
-                return models.json()["data"][0]["id"]
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the gateway did not answer within {timeout:g} s")
+def _served_model(url: str) -> str | None:
+    """The model the gateway serves, once it answers (None before)."""
+    try:
+        models = httpx.get(f"{url}/v1/models", timeout=2)
+    except httpx.TransportError:
+        return None
+    return models.json()["data"][0]["id"] if models.status_code == 200 else None
 
 
 def _stream(url: str, model: str, tokens: int, pace_ms: float, pid: int) -> Stream:

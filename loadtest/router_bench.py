@@ -33,6 +33,7 @@ import zmq
 
 from common.addresses import free_ports
 from common.protocol import Ping, Status, decode, encode
+from loadtest.children import stop, wait_answering
 from loadtest.router_gateway import GatewaySettings, gateway_main
 from loadtest.router_metrics import cpu_seconds, scrape
 from loadtest.router_sim import FleetSettings, fleet_main
@@ -131,7 +132,7 @@ def bench(w: Workload, rates: list[float], duration: float, router_flags: list[s
     ctx = mp.get_context("spawn")
     procs: list[mp.process.BaseProcess] = []
     try:
-        _wait_router(address, router)
+        wait_answering(router, lambda: _status(address), "router", 60)
         fleet_pipe, child = ctx.Pipe()
         procs.append(ctx.Process(target=fleet_main, args=(FleetSettings(w, address, **(fleet or {})), child),
                                  daemon=True))
@@ -160,12 +161,7 @@ def bench(w: Workload, rates: list[float], duration: float, router_flags: list[s
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-        router.terminate()
-        try:
-            router.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            router.kill()
-            router.wait()
+        stop(router)
 
 
 def _background_cpu(router_pid: int, seconds: float = 2.0) -> float:
@@ -244,16 +240,6 @@ def _status(address: str, timeout: float = 1.0) -> Status | None:
         return msg if isinstance(msg, Status) else None
     finally:
         sock.close()
-
-
-def _wait_router(address: str, router: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if router.poll() is not None:
-            raise RuntimeError(f"the router exited with status {router.returncode}")
-        if _status(address) is not None:
-            return
-    raise RuntimeError("the router did not answer a ping")
 
 
 def _wait_indexed(address: str, metrics: str, w: Workload, timeout: float = 120) -> tuple[int, int | None]:
