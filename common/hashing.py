@@ -33,9 +33,14 @@ def _packer(num_tokens: int) -> struct.Struct:
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash one full block given the hash of the block before it (None for the first)."""
+    return _digest(parent, _packer(len(token_ids)).pack(*token_ids), extra)
+
+
+def _digest(parent: BlockHash | None, block: bytes | memoryview, extra: bytes) -> BlockHash:
+    """One block's hash from its packed token ids (little-endian uint32, as ``_packer``)."""
     h = _KEYED.copy()
     h.update(parent or _NO_PARENT)
-    h.update(_packer(len(token_ids)).pack(*token_ids))
+    h.update(block)
     h.update(extra)
     return h.digest()
 
@@ -57,10 +62,6 @@ def hash_prefix_blocks(
     step = block_size * 4
     hashes: list[BlockHash] = []
     for start in range(0, full * 4, step):
-        h = _KEYED.copy()
-        h.update(parent or _NO_PARENT)
-        h.update(data[start : start + step])
-        h.update(extra)
-        parent = h.digest()
+        parent = _digest(parent, data[start : start + step], extra)
         hashes.append(parent)
     return hashes

@@ -22,10 +22,14 @@ def decode_blocks_needed(num_prompt_tokens: int, block_size: int) -> int:
     return blocks_for_tokens(num_prompt_tokens, block_size) + 1
 
 
+def check_not_empty(num_tokens: int, where: str = "prompt") -> None:
+    if not num_tokens:
+        raise InvalidRequestError(f"{where} must not be empty", where)
+
+
 def check_token_ids(ids: Sequence[object], vocab_size: int | None, where: str = "prompt") -> None:
     """Every id is an int in ``[0, vocab_size)`` (or below ``TOKEN_ID_LIMIT`` without one)."""
-    if not ids:
-        raise InvalidRequestError(f"{where} must not be empty", where)
+    check_not_empty(len(ids), where)
     bound = vocab_size if vocab_size is not None else TOKEN_ID_LIMIT
     if set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < bound:
         return  # the common case in C-speed passes; the loop below names the first bad id

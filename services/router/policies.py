@@ -73,7 +73,7 @@ class Candidates:
             return None
         scores = self.scores
         i = scores.index(max(scores))
-        return Candidate(self.workers[i], self.scores[i], self.cached[i])
+        return Candidate(self.workers[i], scores[i], self.cached[i])
 
 
 Step = Callable[[PlacementRequest, Candidates], Awaitable[Candidates]]
@@ -189,15 +189,14 @@ def has_room_for_prompt() -> Step:
 
     async def step(req: PlacementRequest, cands: Candidates) -> Candidates:
         need = decode_blocks_needed(req.num_prompt_tokens, req.block_size)
-        # ``available_blocks`` spelt out: a property call per worker doubled this step.
-        return cands.keep([w.free_blocks - w.reserved_blocks >= need for w in cands.workers])
+        return cands.keep([w.available_blocks >= need for w in cands.workers])
 
     return step
 
 
 def most_free_blocks() -> Step:
     async def step(req: PlacementRequest, cands: Candidates) -> Candidates:
-        cands.scores = [s + (w.free_blocks - w.reserved_blocks) / (w.num_blocks if w.num_blocks > 1 else 1)
+        cands.scores = [s + w.available_blocks / (w.num_blocks if w.num_blocks > 1 else 1)
                         for s, w in zip(cands.scores, cands.workers, strict=True)]
         return cands
 

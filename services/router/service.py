@@ -61,7 +61,7 @@ from common.protocol import (
     encode,
 )
 from common.roles import FinishStage, WorkerRole
-from common.rules import check_context, decode_blocks_needed
+from common.rules import check_context, check_not_empty, decode_blocks_needed
 from services.router.admission import AdmissionQueue, Refusal
 from services.router.disagg import (
     CostGauges,
@@ -137,7 +137,7 @@ class Routed:
             try:
                 tokens = self.submit.open().prompt_token_ids
                 self.hashes[block_size] = hash_prefix_blocks(tokens, block_size)
-            except (ProtocolError, TypeError, ValueError, OverflowError) as e:
+            except (ValueError, OverflowError) as e:  # a ProtocolError is a ValueError
                 raise InvalidRequestError(f"the request cannot be read: {e}", "prompt") from None
         return self.hashes[block_size]
 
@@ -291,8 +291,7 @@ class RouterService:
         if not self.registry.prefill_workers() and not self._prefill_expected_back():
             return NO_PREFILL
         try:
-            if not msg.num_prompt_tokens:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
+            check_not_empty(msg.num_prompt_tokens)
             limit = self.registry.max_model_len()
             if limit is not None:
                 check_context(msg.num_prompt_tokens, msg.max_tokens, limit)
