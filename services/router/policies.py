@@ -189,14 +189,16 @@ def has_room_for_prompt() -> Step:
 
     async def step(req: PlacementRequest, cands: Candidates) -> Candidates:
         need = decode_blocks_needed(req.num_prompt_tokens, req.block_size)
-        return cands.keep([w.available_blocks >= need for w in cands.workers])
+        # ``available_blocks`` spelt out in both decode steps: the property call per worker
+        # was a quarter of decode placement (44 -> 33 us among 128 workers).
+        return cands.keep([w.free_blocks - w.reserved_blocks >= need for w in cands.workers])
 
     return step
 
 
 def most_free_blocks() -> Step:
     async def step(req: PlacementRequest, cands: Candidates) -> Candidates:
-        cands.scores = [s + w.available_blocks / (w.num_blocks if w.num_blocks > 1 else 1)
+        cands.scores = [s + (w.free_blocks - w.reserved_blocks) / (w.num_blocks if w.num_blocks > 1 else 1)
                         for s, w in zip(cands.scores, cands.workers, strict=True)]
         return cands
 
