@@ -6,8 +6,8 @@ at model load, into the kernel's panel layout, every quant and scale kept as it 
 [M, K] (weights dequantised in registers, activations float32: only the summation order
 differs from the float32 product), and ``embedding(packed, ids)`` the dequantised rows,
 bit-exact. The library is built on first use by ``kernels.cpu_build``; ``available()``
-says whether that worked. It holds an AVX2/FMA/F16C path and a portable C one, chosen at
-run time (``isa()``); ``set_portable(True)`` forces the portable one (tests).
+says whether that worked. It holds an AVX-512 path, an AVX2/FMA/F16C one and a portable C
+one, the CPU's best chosen at run time (``isa()``); ``set_isa`` caps it (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -39,19 +39,19 @@ class Kernel(NamedTuple):
     pack: ctypes._CFuncPtr  # quant_pack(fmt, src, scales, N, K, out)
     packed_size: ctypes._CFuncPtr  # quant_packed_size(fmt, N, K) -> bytes
     embedding: ctypes._CFuncPtr  # quant_embedding(fmt, w, N, K, ids, T, out)
-    set_portable: ctypes._CFuncPtr  # quant_set_portable(flag)
-    isa: ctypes._CFuncPtr  # quant_isa() -> 1 AVX2, 0 portable
+    set_isa: ctypes._CFuncPtr  # quant_set_isa(cap): 0 portable, 1 AVX2, 2 AVX-512
+    isa: ctypes._CFuncPtr  # quant_isa() -> the path taken now, numbered as set_isa's cap
 
 
 def _open(_variant: None) -> Kernel:
     lib = cpu_build.load(cpu_build.library_path(SOURCE, "quant_gemm", CFLAGS), "CPU quant kernel")
     k = Kernel(lib.quant_linear, lib.quant_pack, lib.quant_packed_size, lib.quant_embedding,
-               lib.quant_set_portable, lib.quant_isa)
+               lib.quant_set_isa, lib.quant_isa)
     k.linear.argtypes = [_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
     k.pack.argtypes = [_int, _ptr, _ptr, _i64, _i64, _ptr]
     k.packed_size.argtypes = [_int, _i64, _i64]
     k.embedding.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr]
-    k.set_portable.argtypes, k.set_portable.restype = [_int], None
+    k.set_isa.argtypes, k.set_isa.restype = [_int], None
     for f in (k.linear, k.pack, k.embedding, k.isa):
         f.restype = _int
     k.packed_size.restype = _i64
@@ -82,14 +82,21 @@ def format_code(fmt: QuantFormat) -> int:
     return _FMT[fmt]
 
 
-def set_portable(flag: bool) -> None:
-    """Force the portable C path (True) or let the CPU decide (False), process-wide."""
-    _loader.require(None).set_portable(1 if flag else 0)
+ISAS = ("portable", "avx2", "avx512")  # the kernel's paths, each a superset of the last
+
+
+def set_isa(cap: str | None) -> None:
+    """Let ``linear`` take at most path ``cap`` (one of ``ISAS``), or the CPU's best
+    (None), process-wide. A cap above what the CPU has leaves the CPU's best."""
+    if cap is not None and cap not in ISAS:
+        raise ValueError(f"unknown ISA {cap!r}: one of {', '.join(ISAS)}")
+    _loader.require(None).set_isa(len(ISAS) - 1 if cap is None else ISAS.index(cap))
 
 
 def isa() -> str:
-    """The path ``linear`` runs now: ``"avx2"`` (AVX2+FMA+F16C) or ``"portable"``."""
-    return "avx2" if _loader.require(None).isa() else "portable"
+    """The path ``linear`` runs now: ``"avx512"`` (AVX-512 F/BW/VL/DQ), ``"avx2"``
+    (AVX2+FMA+F16C) or ``"portable"``."""
+    return ISAS[_loader.require(None).isa()]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

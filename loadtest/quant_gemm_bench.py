@@ -66,11 +66,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fmt", default="Q4_1", choices=[f.name for f in QuantFormat])
-    ap.add_argument("--portable", action="store_true", help="force the portable C path")
+    ap.add_argument("--isa", choices=cpu_quant.ISAS, help="cap the kernel's path (default: the CPU's best)")
     args = ap.parse_args()
     if not (cpu_quant.available() and cpu_gemm.available()):
         sys.exit(f"C kernels unavailable: {cpu_quant.unavailable_reason() or cpu_gemm.unavailable_reason()}")
-    cpu_quant.set_portable(args.portable)
+    cpu_quant.set_isa(args.isa)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     fmt = QuantFormat[args.fmt]

@@ -1,7 +1,7 @@
 """The CPU kernels on quantised weights (kernels.cpu_quant) against gguf's dequantiser and torch.
 
-Both paths of the library run every case: the AVX2/FMA/F16C one (where the CPU has it)
-and the portable C one (``set_portable(True)``)."""
+Every path of the library runs every case: the AVX-512 one and the AVX2/FMA/F16C one
+(where the CPU has them) and the portable C one (``set_isa``)."""
 
 from __future__ import annotations
 
@@ -53,16 +53,16 @@ def real_tensors() -> dict[str, tuple[QuantWeight, torch.Tensor]]:
     return out
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=list(cpu_quant.ISAS))
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """Runs the test on one path of the library, then lets the CPU choose again."""
-    cpu_quant.set_portable(request.param == "portable")
+    cpu_quant.set_isa(request.param)
     try:
         if cpu_quant.isa() != request.param:
-            pytest.skip("this CPU lacks AVX2/FMA/F16C")
+            pytest.skip(f"this CPU lacks the {request.param} path's instructions")
         yield request.param
     finally:
-        cpu_quant.set_portable(False)
+        cpu_quant.set_isa(None)
 
 
 def quantized(fmt: QuantFormat, n: int, k: int, seed: int) -> QuantWeight:
@@ -149,7 +149,8 @@ def test_linear_matches_torch(fmt: QuantFormat, k: int, isa: str) -> None:
     assert (packed.fmt, packed.n, packed.k) == (fmt, n, k) and packed.nbytes == packed.data.numel()
     g = torch.Generator().manual_seed(k + 1)
     b, dense = torch.randn(n, generator=g), w.dequantize().double()
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 25, 64, 100):  # every GEMV tile, both sides of QG_GEMV_MAX
+    # every GEMV tile of both vector paths, both sides of QG_GEMV_MAX and QG_GEMV_MAX16
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 23, 24, 25, 64, 100, 128, 129):
         x = torch.randn(m, k, generator=g)
         want = x.double() @ dense.T
         assert_matches(cpu_quant.linear(x, packed, num_threads=1), want.float())
@@ -179,12 +180,28 @@ def test_strided_and_empty_inputs(isa: str) -> None:
 
 
 def test_isa_names_the_path() -> None:
-    cpu_quant.set_portable(True)
+    best = cpu_quant.isa()
+    assert best in cpu_quant.ISAS
     try:
-        assert cpu_quant.isa() == "portable"
+        for cap in cpu_quant.ISAS:  # a cap never raises the path above the CPU's best
+            cpu_quant.set_isa(cap)
+            assert cpu_quant.isa() == min(cap, best, key=cpu_quant.ISAS.index)
+        with pytest.raises(ValueError, match="unknown ISA"):
+            cpu_quant.set_isa("sse2")
     finally:
-        cpu_quant.set_portable(False)
-    assert cpu_quant.isa() in ("avx2", "portable")
+        cpu_quant.set_isa(None)
+    assert cpu_quant.isa() == best
+
+
+@pytest.mark.parametrize("k", [1, 7, 45])
+def test_int8_rows_of_any_length(k: int, isa: str) -> None:
+    """INT8_ROW takes any K: the vector paths' tails past their unrolled steps."""
+    g = torch.Generator().manual_seed(k)
+    w = quantize_int8_rows(torch.randn(35, k, generator=g))
+    packed = cpu_quant.pack(w)
+    for m in (1, 3, 5, 9, 30):
+        x = torch.randn(m, k, generator=g)
+        assert_matches(cpu_quant.linear(x, packed), reference(x, w, None))
 
 
 def test_argument_errors() -> None:

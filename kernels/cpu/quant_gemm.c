@@ -17,7 +17,7 @@
  * panel is s f32[16] | q int8[K][16]. One vector load of 8 bytes and a zero/sign
  * extension gives one k for 8 rows: no horizontal sums, scales load as vectors.
  *
- * Small M (decode, M <= QG_GEMV_MAX): per panel, per block, t = sum_k x[k]*q[k] for each
+ * Small M (decode, M <= QG_GEMV_MAX; AVX-512: M <= QG_GEMV_MAX16): per panel, per block, t = sum_k x[k]*q[k] for each
  * row of x into several FMA chains (FMA latency), then acc += d*t (Q4_1: + m*sum(x) of the
  * block; Q4_0: - 8d*sum(x)), the block sums of x computed once per call. Each weight byte
  * is read from DRAM once; rows of x in tiles of up to 4 re-read the panel from L1, and a
@@ -27,7 +27,8 @@
  * 6 x 16 FMA micro-kernel sweeps every row of the M block over it (as packed_gemm.c).
  *
  * Threads (OpenMP) split the panels. The AVX2/FMA/F16C code is compiled with target
- * attributes and chosen at run time; quant_set_portable(1) forces the plain C path.
+ * attributes and chosen at run time, with an AVX-512 path beside it (quant_gemm_avx512.h);
+ * quant_set_isa caps the choice (tests: each path, and the plain C one).
  * Entry points return 0, or -1 on an invalid size/format, -2 on an id out of range.
  */
 #include <stdint.h>
@@ -54,6 +55,9 @@
  * 1.2-1.3x dequantise + GEMM at M 12-16, 1.05-1.1x at 20-24, even at 32. */
 #define QG_GEMV_MAX 24
 #endif
+#ifndef QG_GEMV_MAX16
+#define QG_GEMV_MAX16 128 /* the same for the AVX-512 path (see quant_gemm_avx512.h) */
+#endif
 #ifndef QG_MC
 #define QG_MC 96 /* rows of x per block of the panel GEMM */
 #endif
@@ -71,7 +75,9 @@ typedef struct {
     int64_t ldx, ldy, M, N, K, pbytes;
 } Args;
 
-static int portable_forced = 0;
+/* The best path allowed (quant_set_isa): the CPU's own best unless capped lower. */
+static int isa_cap = 2;
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 INLINE int64_t num_panels(int64_t N) { return (N + NR - 1) / NR; }
 INLINE int64_t block_bytes(int fmt) { return fmt == Q8_0 ? 544 : fmt == Q4_0 ? 288 : 320; }
@@ -191,13 +197,20 @@ static void gemm_panel_c(const Args *a, const float *buf, int64_t n0, int64_t m0
 
 #if QG_X86
 #include "quant_gemm_avx2.h"
+#include "quant_gemm_avx512.h"
 #endif
 
+/* Whether quant_linear takes the GEMV tiles for M rows on path isa. */
+static int use_gemv(int isa, int64_t M) {
+    return isa == ISA_AVX512 ? M <= QG_GEMV_MAX16 : isa == ISA_AVX2 && M <= QG_GEMV_MAX;
+}
+
 /* One thread's panels [p0, p1): GEMV tiles for small M, else dequantise + micro-kernel. */
-static void run_panels(const Args *a, int64_t p0, int64_t p1, int avx2, float *buf) {
+static void run_panels(const Args *a, int64_t p0, int64_t p1, int isa, float *buf) {
+    const int avx2 = isa >= ISA_AVX2;
 #if QG_X86
-    if (avx2 && a->M <= QG_GEMV_MAX) {
-        for (int64_t p = p0; p < p1; p++) gemv_panel_avx2(a, p);
+    if (use_gemv(isa, a->M)) {
+        for (int64_t p = p0; p < p1; p++) isa == ISA_AVX512 ? gemv_panel_avx512(a, p) : gemv_panel_avx2(a, p);
         return;
     }
 #endif
@@ -218,17 +231,24 @@ static void run_panels(const Args *a, int64_t p0, int64_t p1, int avx2, float *b
     }
 }
 
-static int use_avx2(void) {
+/* The CPU's best path: AVX-512 (F, BW, VL, DQ) on top of AVX2+FMA+F16C, or AVX2, or none. */
+static int cpu_isa(void) {
 #if QG_X86
     static int have = -1;
-    if (have < 0)
-        have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
-    return have && !portable_forced;
+    if (have < 0) {
+        const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+        const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+        have = avx2 ? (avx512 ? ISA_AVX512 : ISA_AVX2) : ISA_PORTABLE;
+    }
+    return have;
 #else
-    return 0;
+    return ISA_PORTABLE;
 #endif
 }
+
+static int use_isa(void) { return cpu_isa() < isa_cap ? cpu_isa() : isa_cap; }
 
 /* Block sums of x for the Q4 GEMV (sum x*(q - 8) = sum x*q - 8 sum x; Q4_1 adds m sum x). */
 static float *block_sums(const Args *a) {
@@ -249,7 +269,7 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
     if (!valid(fmt, N, K) || M < 0 || ldx < K || ldy < N) return -1;
     if (M == 0 || N == 0) return 0;
     Args a = {fmt, packed, x, bias, NULL, y, ldx, ldy, M, N, K, panel_bytes(fmt, K)};
-    const int avx2 = use_avx2(), gemv = avx2 && M <= QG_GEMV_MAX;
+    const int isa = use_isa(), gemv = use_gemv(isa, M);
     float *sx = NULL;
     if (gemv && (fmt == Q4_0 || fmt == Q4_1) && K > 0 && !(sx = block_sums(&a))) return -3;
     a.sx = sx;
@@ -267,14 +287,16 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
         const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
         float *buf = gemv ? NULL : malloc((size_t)(K * NR + 16) * sizeof(float));
         if (!gemv && !buf) rc = -3;
-        else if (p0 < p1) run_panels(&a, p0, p1, avx2, buf);
+        else if (p0 < p1) run_panels(&a, p0, p1, isa, buf);
         free(buf);
     }
     free(sx);
     return rc;
 }
 
-void quant_set_portable(int flag) { portable_forced = flag != 0; }
+/* Caps the path quant_linear may take: 0 portable C, 1 AVX2, 2 AVX-512 (the default: the
+ * CPU's best). Process-wide; for tests and benchmarks. */
+void quant_set_isa(int cap) { isa_cap = cap < ISA_PORTABLE ? ISA_PORTABLE : cap > ISA_AVX512 ? ISA_AVX512 : cap; }
 
-/* 1 if quant_linear runs the AVX2/FMA/F16C path now, 0 for the portable C path. */
-int quant_isa(void) { return use_avx2(); }
+/* The path quant_linear runs now: 2 AVX-512, 1 AVX2/FMA/F16C, 0 portable C. */
+int quant_isa(void) { return use_isa(); }
