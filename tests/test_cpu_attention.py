@@ -72,6 +72,21 @@ def test_work_item_granularity(batch: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lens", [[1000], [600, 0], [64, 700, 3], [2048]])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_few_sequences_split_their_tokens_into_parts(lens: list[int], threads: int) -> None:
+    # Fewer (sequence, kv head) items than the threads can share: each item's tokens are
+    # split into parts of at least 256, merged by their maxima and sums (parts that do not
+    # start on a block, a sequence shorter than a part, an empty one beside a long one).
+    q, k, v, tables, ctx = make_case(lens, 9, 3, 64, seed=len(lens))
+    q = q * 4  # peaked softmax rows: the parts' maxima differ
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125, num_threads=threads)
+    want = reference.paged_decode_attention(q, k, v, tables, ctx, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    one = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125, num_threads=1)
+    torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5)  # one thread: never split
+
+
 @pytest.fixture(scope="module")
 def scalar_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """The C file built without AVX2/FMA: its portable path."""

@@ -170,6 +170,18 @@ def test_c_decode_attention_matches_the_reference(fmt, dim, threads):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_c_decode_attention_split_into_parts_reads_each_parts_scales(fmt):
+    # One long sequence on two threads: its tokens run in parts, each from its own first
+    # token's block scales on (parts of 1000 / 8 tokens do not start on a block).
+    torch.manual_seed(8)
+    k, v, tables, lens = paged_sequences(fmt, [1000], 64)
+    q = torch.randn(1, 9, 64)
+    want = kv_quant.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    got = cpu_attention.paged_decode_attention_quantized(q, k, v, tables, lens, 0.125, num_threads=2)
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_triton_decode_and_prefill_attention_match_the_reference(fmt):
     k, v, tables, lens = paged_sequences(fmt, [9, 2, 20], 16)
     q = torch.randn(3, 6, 16)
