@@ -39,7 +39,7 @@ class Kernel(NamedTuple):
     pack: ctypes._CFuncPtr  # quant_pack(fmt, src, scales, N, K, out)
     packed_size: ctypes._CFuncPtr  # quant_packed_size(fmt, N, K) -> bytes
     embedding: ctypes._CFuncPtr  # quant_embedding(fmt, w, N, K, ids, T, out)
-    set_isa: ctypes._CFuncPtr  # quant_set_isa(cap): 0 portable, 1 AVX2, 2 AVX-512
+    set_isa: ctypes._CFuncPtr  # quant_set_isa(cap): an index of ISAS
     isa: ctypes._CFuncPtr  # quant_isa() -> the path taken now, numbered as set_isa's cap
 
 
@@ -82,7 +82,9 @@ def format_code(fmt: QuantFormat) -> int:
     return _FMT[fmt]
 
 
-ISAS = ("portable", "avx2", "avx512")  # the kernel's paths, each a superset of the last
+# The kernel's instruction sets, each a superset of the last ("avx512vnni": AVX-512 with
+# VNNI and VBMI, for the integer GEMV of block formats).
+ISAS = ("portable", "avx2", "avx512", "avx512vnni")
 
 
 def set_isa(cap: str | None) -> None:
@@ -94,8 +96,8 @@ def set_isa(cap: str | None) -> None:
 
 
 def isa() -> str:
-    """The path ``linear`` runs now: ``"avx512"`` (AVX-512 F/BW/VL/DQ), ``"avx2"``
-    (AVX2+FMA+F16C) or ``"portable"``."""
+    """The instructions ``linear`` uses now: ``"avx512vnni"``, ``"avx512"`` (AVX-512
+    F/BW/VL/DQ), ``"avx2"`` (AVX2+FMA+F16C) or ``"portable"``."""
     return ISAS[_loader.require(None).isa()]
 
 

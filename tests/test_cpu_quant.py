@@ -193,6 +193,52 @@ def test_isa_names_the_path() -> None:
     assert cpu_quant.isa() == best
 
 
+def vnni_or_skip() -> None:
+    cpu_quant.set_isa(None)
+    if cpu_quant.isa() != "avx512vnni":
+        pytest.skip("this CPU lacks AVX-512 VNNI + VBMI: no integer GEMV to test")
+
+
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+def test_integer_gemv_is_as_accurate_as_float32(fmt: QuantFormat) -> None:
+    """The integer GEMV rounds x once, to 23 bits of each block's largest |x|: whatever the
+    spread of x within a block (outliers, tiny values, zero blocks), every output stays
+    within that bound of the exact product, plus float32 rounding of the sums."""
+    vnni_or_skip()
+    g = torch.Generator().manual_seed(11)
+    w = quantized(fmt, 48, 256, seed=12)
+    packed, dense = cpu_quant.pack(w), w.dequantize().double()
+    x = torch.randn(8, 256, generator=g)
+    x[0, 3] = 3e4  # an outlier beside values 1e4 times smaller
+    x[1] *= 1e-30  # tiny, far from 1: the scale is a power of two, not a fixed range
+    x[2, 32:64] = 0.0  # an all-zero block
+    x[3, ::7] = -x[3, ::7] * 1e-6
+    got = cpu_quant.linear(x, packed, num_threads=2).double()
+    xd = x.double()
+    want = xd @ dense.T
+    block_max = xd.abs().view(8, -1, 32).amax(-1)  # [M, blocks]
+    w_abs = dense.abs().view(48, -1, 32).sum(-1)  # [N, blocks]
+    bound = block_max @ w_abs.T * 2.0**-23 + (xd.abs() @ dense.abs().T) * 2e-6
+    assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() / bound).max())
+
+
+def test_integer_gemv_leaves_non_finite_x_to_the_float_path() -> None:
+    vnni_or_skip()
+    w = quantized(QuantFormat.Q4_1, 32, 64, seed=13)
+    packed = cpu_quant.pack(w)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(14))
+    x[0, 5], x[1, 40] = float("nan"), float("inf")
+    got = cpu_quant.linear(x, packed)
+    cpu_quant.set_isa("avx512")
+    try:
+        want = cpu_quant.linear(x, packed)
+    finally:
+        cpu_quant.set_isa(None)
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got.isnan().any())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite])
+
+
 @pytest.mark.parametrize("k", [1, 7, 45])
 def test_int8_rows_of_any_length(k: int, isa: str) -> None:
     """INT8_ROW takes any K: the vector paths' tails past their unrolled steps."""

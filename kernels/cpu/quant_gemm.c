@@ -31,6 +31,8 @@
  * quant_set_isa caps the choice (tests: each path, and the plain C one).
  * Entry points return 0, or -1 on an invalid size/format, -2 on an id out of range.
  */
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +60,9 @@
 #ifndef QG_GEMV_MAX16
 #define QG_GEMV_MAX16 128 /* the same for the AVX-512 path (see quant_gemm_avx512.h) */
 #endif
+#ifndef QG_VNNI_MAX
+#define QG_VNNI_MAX 8 /* largest M of the integer GEMV (quant_gemm_vnni.h), block formats */
+#endif
 #ifndef QG_MC
 #define QG_MC 96 /* rows of x per block of the panel GEMM */
 #endif
@@ -75,9 +80,10 @@ typedef struct {
     int64_t ldx, ldy, M, N, K, pbytes;
 } Args;
 
-/* The best path allowed (quant_set_isa): the CPU's own best unless capped lower. */
-static int isa_cap = 2;
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+/* Instruction sets, each a superset of the last; the best allowed (quant_set_isa): the
+ * CPU's own best unless capped lower. */
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VNNI = 3 };
+static int isa_cap = ISA_VNNI;
 
 INLINE int64_t num_panels(int64_t N) { return (N + NR - 1) / NR; }
 INLINE int64_t block_bytes(int fmt) { return fmt == Q8_0 ? 544 : fmt == Q4_0 ? 288 : 320; }
@@ -195,31 +201,53 @@ static void gemm_panel_c(const Args *a, const float *buf, int64_t n0, int64_t m0
         }
 }
 
+/* The integer GEMV's activations (quant_gemm_vnni.h says why and how exactly). */
+/* x as digits: for row m, block b, the digits a, b, c of its 32 elements (dig, 96 bytes),
+ * the scale s and the three digit sums (for Q8_0's offset). */
+typedef struct {
+    int8_t *dig;  /* [M][kb][3][32] */
+    float *scale; /* [M][kb] */
+    int32_t *dsum; /* [M][kb][3] */
+} Digits;
+
+static void digits_free(Digits *dg) {
+    free(dg->dig), free(dg->scale), free(dg->dsum);
+    dg->dig = NULL, dg->scale = NULL, dg->dsum = NULL;
+}
+
 #if QG_X86
 #include "quant_gemm_avx2.h"
 #include "quant_gemm_avx512.h"
+#include "quant_gemm_vnni.h"
 #endif
 
-/* Whether quant_linear takes the GEMV tiles for M rows on path isa. */
-static int use_gemv(int isa, int64_t M) {
-    return isa == ISA_AVX512 ? M <= QG_GEMV_MAX16 : isa == ISA_AVX2 && M <= QG_GEMV_MAX;
+/* How one call multiplies: GEMV tiles (integer, AVX-512 or AVX2), or dequantised panels
+ * through a micro-kernel (AVX2 or plain C). */
+typedef enum { GEMV_VNNI, GEMV_AVX512, GEMV_AVX2, GEMM_AVX2, GEMM_C } Path;
+
+static Path choose_path(int isa, int fmt, int64_t M) {
+    if (isa == ISA_VNNI && fmt != INT8_ROW && M <= QG_VNNI_MAX) return GEMV_VNNI;
+    if (isa >= ISA_AVX512 && M <= QG_GEMV_MAX16) return GEMV_AVX512;
+    if (isa >= ISA_AVX2) return M <= QG_GEMV_MAX ? GEMV_AVX2 : GEMM_AVX2;
+    return GEMM_C;
 }
 
-/* One thread's panels [p0, p1): GEMV tiles for small M, else dequantise + micro-kernel. */
-static void run_panels(const Args *a, int64_t p0, int64_t p1, int isa, float *buf) {
-    const int avx2 = isa >= ISA_AVX2;
+/* One thread's panels [p0, p1) on `path`. */
+static void run_panels(const Args *a, const Digits *dg, int64_t p0, int64_t p1, Path path, float *buf) {
 #if QG_X86
-    if (use_gemv(isa, a->M)) {
-        for (int64_t p = p0; p < p1; p++) isa == ISA_AVX512 ? gemv_panel_avx512(a, p) : gemv_panel_avx2(a, p);
-        return;
-    }
+    for (int64_t p = p0; path == GEMV_VNNI && p < p1; p++) gemv_panel_vnni(a, dg, p);
+    for (int64_t p = p0; path == GEMV_AVX512 && p < p1; p++) gemv_panel_avx512(a, p);
+    for (int64_t p = p0; path == GEMV_AVX2 && p < p1; p++) gemv_panel_avx2(a, p);
+#else
+    (void)dg;
 #endif
+    if (path != GEMM_AVX2 && path != GEMM_C) return;
     for (int64_t m0 = 0; m0 < a->M; m0 += QG_MC) {
         const int64_t m1 = a->M - m0 < QG_MC ? a->M : m0 + QG_MC;
         for (int64_t p = p0; p < p1; p++) {
             const uint8_t *panel = a->w + p * a->pbytes;
 #if QG_X86
-            if (avx2) {
+            if (path == GEMM_AVX2) {
                 dequant_panel_avx2(a, panel, buf);
                 gemm_panel_avx2(a, buf, p * NR, m0, m1);
                 continue;
@@ -231,7 +259,8 @@ static void run_panels(const Args *a, int64_t p0, int64_t p1, int isa, float *bu
     }
 }
 
-/* The CPU's best path: AVX-512 (F, BW, VL, DQ) on top of AVX2+FMA+F16C, or AVX2, or none. */
+/* The CPU's best instruction set: AVX-512 VNNI + VBMI on top of AVX-512 (F, BW, VL, DQ)
+ * on top of AVX2+FMA+F16C, or less. */
 static int cpu_isa(void) {
 #if QG_X86
     static int have = -1;
@@ -240,7 +269,8 @@ static int cpu_isa(void) {
                          __builtin_cpu_supports("f16c");
         const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-        have = avx2 ? (avx512 ? ISA_AVX512 : ISA_AVX2) : ISA_PORTABLE;
+        const int vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+        have = !avx2 ? ISA_PORTABLE : !avx512 ? ISA_AVX2 : vnni ? ISA_VNNI : ISA_AVX512;
     }
     return have;
 #else
@@ -269,9 +299,17 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
     if (!valid(fmt, N, K) || M < 0 || ldx < K || ldy < N) return -1;
     if (M == 0 || N == 0) return 0;
     Args a = {fmt, packed, x, bias, NULL, y, ldx, ldy, M, N, K, panel_bytes(fmt, K)};
-    const int isa = use_isa(), gemv = use_gemv(isa, M);
+    Path path = choose_path(use_isa(), fmt, M);
+    Digits dg = {NULL, NULL, NULL};
+#if QG_X86
+    if (path == GEMV_VNNI && digits_make(&a, &dg) != 0) path = choose_path(ISA_AVX512, fmt, M);
+#endif
+    const int gemv = path == GEMV_VNNI || path == GEMV_AVX512 || path == GEMV_AVX2;
     float *sx = NULL;
-    if (gemv && (fmt == Q4_0 || fmt == Q4_1) && K > 0 && !(sx = block_sums(&a))) return -3;
+    if (gemv && (fmt == Q4_0 || fmt == Q4_1) && K > 0 && !(sx = block_sums(&a))) {
+        digits_free(&dg);
+        return -3;
+    }
     a.sx = sx;
     const int64_t P = num_panels(N);
     int64_t threads = num_threads < 1 ? 1 : num_threads;
@@ -287,16 +325,17 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
         const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
         float *buf = gemv ? NULL : malloc((size_t)(K * NR + 16) * sizeof(float));
         if (!gemv && !buf) rc = -3;
-        else if (p0 < p1) run_panels(&a, p0, p1, isa, buf);
+        else if (p0 < p1) run_panels(&a, &dg, p0, p1, path, buf);
         free(buf);
     }
     free(sx);
+    digits_free(&dg);
     return rc;
 }
 
-/* Caps the path quant_linear may take: 0 portable C, 1 AVX2, 2 AVX-512 (the default: the
- * CPU's best). Process-wide; for tests and benchmarks. */
-void quant_set_isa(int cap) { isa_cap = cap < ISA_PORTABLE ? ISA_PORTABLE : cap > ISA_AVX512 ? ISA_AVX512 : cap; }
+/* Caps the instructions quant_linear may use: 0 portable C, 1 AVX2, 2 AVX-512, 3 AVX-512
+ * VNNI (the default: the CPU's best). Process-wide; for tests and benchmarks. */
+void quant_set_isa(int cap) { isa_cap = cap < ISA_PORTABLE ? ISA_PORTABLE : cap > ISA_VNNI ? ISA_VNNI : cap; }
 
-/* The path quant_linear runs now: 2 AVX-512, 1 AVX2/FMA/F16C, 0 portable C. */
+/* The instructions quant_linear uses now, numbered as quant_set_isa's cap. */
 int quant_isa(void) { return use_isa(); }
