@@ -64,7 +64,8 @@ def test_matches_reference(heads: int, kv_heads: int, dim: int, threads: int) ->
 
 @pytest.mark.parametrize("batch", [1, 2, 12])
 def test_work_item_granularity(batch: int) -> None:
-    # Few sequences: one work item per (sequence, kv head); many: one per sequence.
+    # One short sequence: a work item per kv head; more: one per sequence (parts of long
+    # ones: test_few_sequences_split_their_tokens_into_parts).
     lens = [(37 * i) % 90 + 1 for i in range(batch)]
     q, k, v, tables, ctx = make_case(lens, 6, 3, 64, seed=batch)
     got = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.2, num_threads=2)
@@ -75,8 +76,8 @@ def test_work_item_granularity(batch: int) -> None:
 @pytest.mark.parametrize("lens", [[1000], [600, 0], [64, 700, 3], [2048]])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_few_sequences_split_their_tokens_into_parts(lens: list[int], threads: int) -> None:
-    # Fewer (sequence, kv head) items than the threads can share: each item's tokens are
-    # split into parts of at least 256, merged by their maxima and sums (parts that do not
+    # Fewer sequences than the threads can share evenly: each one's tokens are
+    # split into parts of at least 128, merged by their maxima and sums (parts that do not
     # start on a block, a sequence shorter than a part, an empty one beside a long one).
     q, k, v, tables, ctx = make_case(lens, 9, 3, 64, seed=len(lens))
     q = q * 4  # peaked softmax rows: the parts' maxima differ

@@ -12,12 +12,13 @@
  *   context_lens  int32 [B]
  * Query head h reads kv head h / (H / KVH).
  *
- * A work item is a sequence (all its kv heads) or, when there are too few sequences to
- * keep the threads busy, one kv head of a sequence; and when even those are too few (a
- * step of one or two sequences: SmolLM2's 3 kv heads on 2 threads leave one idle a third
- * of the time), a part of such an item's tokens, at least PA_MIN_PART_TOKENS long, whose
- * unnormalised output, max and sum are merged afterwards (flash-decoding's split; one
- * sequence of 1,024 tokens 1.3x, of 4,096 1.2-1.45x, on 2 threads of a Zen 4). All
+ * A work item is a sequence (all its kv heads, whose rows it reads front to back). When
+ * there are too few to keep the threads busy (a step of one to a few sequences), it is a
+ * part of a sequence's tokens, at least PA_MIN_PART_TOKENS long, whose unnormalised
+ * output, max and sum are merged afterwards (flash-decoding's split); sequences too short
+ * for that and fewer than the threads are split by kv head instead. Against items of one
+ * kv head each (the split used before for under 4 sequences a thread), on 2 threads of a
+ * Zen 4: one sequence of 1,024 tokens 1.4x, three of 512 1.5x, five of 400 1.5x. All
  * G = H/KVH query heads of a kv head are computed together, so each K/V row is read from
  * memory once. Two passes:
  *   1. scores[qh][t] = scale * q[qh].K[t]  (into a per-thread buffer, max context long)
@@ -63,15 +64,14 @@
 #define PA_VALUE_CHUNK 32
 #endif
 
-/* Work items per thread below which a sequence's kv heads become separate items, and
- * below which (even so) each item's tokens are split into parts (see run). */
+/* Sequences per thread below which each one's tokens are split into parts (see run). */
 #ifndef PA_MIN_ITEMS_PER_THREAD
 #define PA_MIN_ITEMS_PER_THREAD 4
 #endif
 
 /* Fewest tokens of a part when an item's tokens are split. */
 #ifndef PA_MIN_PART_TOKENS
-#define PA_MIN_PART_TOKENS 256
+#define PA_MIN_PART_TOKENS 128
 #endif
 
 /* Cache element types to build: -DPA_DTYPE=0 (float32), 1 (float16), 2 (bfloat16),
@@ -568,19 +568,21 @@ static int run(Args *a, int B, int64_t num_blocks, int max_blocks, int num_threa
     int rc = validate(a, B, num_blocks, max_blocks * a->block_size, &max_n);
     if (rc != 0) return rc;
     if (num_threads < 1) num_threads = 1;
-    /* Whole sequences read each block's rows front to back (all heads); splitting by kv
-     * head only pays when there are too few sequences to keep the threads busy. */
-    a->heads_per_item = B >= PA_MIN_ITEMS_PER_THREAD * num_threads ? a->KVH : 1;
-    const int64_t groups = (int64_t)B * (a->KVH / a->heads_per_item);
-    /* Still too few items (a decode step of one or a few sequences: 3 kv heads on 2
-     * threads leave one idle a third of the time): split each one's tokens into parts,
-     * flash-decoding style, as many as keep the threads busy and each part worth it. */
+    /* Work items: whole sequences, whose rows (all kv heads) are read front to back. Too
+     * few of them to keep the threads busy (a step of one to a few sequences): each one's
+     * tokens in parts, flash-decoding style, as many as even out the threads and each
+     * worth it; sequences too short for parts, fewer than the threads: their kv heads. */
+    a->heads_per_item = a->KVH;
     a->parts = 1;
-    if (num_threads > 1 && groups < PA_MIN_ITEMS_PER_THREAD * num_threads) {
-        const int64_t want = (PA_MIN_ITEMS_PER_THREAD * num_threads + groups - 1) / groups;
-        const int64_t most = max_n / PA_MIN_PART_TOKENS;
-        a->parts = (int)(want < most ? want : most > 1 ? most : 1);
+    if (num_threads > 1 && B < PA_MIN_ITEMS_PER_THREAD * num_threads) {
+        const int want = (PA_MIN_ITEMS_PER_THREAD * num_threads + B - 1) / B;
+        const int most = max_n / PA_MIN_PART_TOKENS;
+        int parts = want < most ? want : most;
+        while (parts > 2 && (B * parts) % num_threads) parts--; /* items the threads share evenly */
+        if (parts >= 2) a->parts = parts;
+        else if (B < num_threads) a->heads_per_item = 1;
     }
+    const int64_t groups = (int64_t)B * (a->KVH / a->heads_per_item);
     const int64_t items = groups * a->parts;
     const size_t nq = (size_t)a->heads_per_item * (a->H / a->KVH), n = (size_t)max_n + 8;
     int failed = 0;
