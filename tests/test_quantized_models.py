@@ -27,6 +27,7 @@ from common.model.loader import resolve_model
 from common.model.quantization import resolve_mode
 from common.model.spec import ModelSpec
 from common.sampling_params import SamplingParams
+from kernels import cpu_quant
 from kernels.quant_formats import quantize_int8_rows
 from tests.conftest import hf_greedy, make_engine
 from tests.test_equivalence import PASSAGE
@@ -100,7 +101,7 @@ def test_tiny_gguf_keeps_the_files_formats(tiny_gguf):
     assert all(layer.o.numel() == 0 and layer.qkv.numel() == 0 for layer in model.layers)
     assert model.describe_weights().startswith("gguf ") and name.upper() in model.describe_weights()
     fp32_too = ["packed GEMM"] * (name != "q8_0")  # the others have fp32 projections
-    assert model.cpu_kernels == [*fp32_too, "quantised GEMM", "fused ops"]
+    assert model.cpu_kernels == [*fp32_too, f"quantised GEMM ({cpu_quant.isa()})", "fused ops"]
 
 
 def test_tiny_gguf_batch_and_chunked_prefill_match_hf(tiny_gguf):
@@ -143,7 +144,7 @@ def smollm2_gguf():
 def test_smollm2_gguf_mode_holds_the_files_blocks(smollm2_gguf):
     model = smollm2_gguf.model
     assert model.describe_weights().startswith("gguf Q4_1 (+Q8_0 head)")
-    assert model.cpu_kernels == ["quantised GEMM", "fused ops"]  # the fused forward path
+    assert model.cpu_kernels == [f"quantised GEMM ({cpu_quant.isa()})", "fused ops"]  # the fused forward path
     fp32 = sum(p.numel() for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert fp32 == 0 and model.embed.numel() == 0
     spec = smollm2_gguf.spec

@@ -235,8 +235,8 @@ class LlamaModel(torch.nn.Module):
         """The C kernels the forward pass uses."""
         projections, head = self._held()
         packed = any(isinstance(w, PackedWeight) for w in [*projections, head])
-        return (["packed GEMM"] * packed + ["quantised GEMM"] * bool(self.quantized)
-                + ["fused ops"] * self.fused_ops)
+        quant = [f"quantised GEMM ({cpu_quant.isa()})"] if self.quantized else []  # the path it takes
+        return ["packed GEMM"] * packed + quant + ["fused ops"] * self.fused_ops
 
     @torch.inference_mode()
     def forward(
