@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--k", type=int, nargs="+", default=[3], help="num_speculative_tokens to try")
     p.add_argument("--prompt-lookup-max", type=int, default=3)
+    p.add_argument("--prompt-lookup-min", type=int, default=0, help="0: the engine's default")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--random-len", type=int, default=256)
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(base.model)
     off = Engine(base, loaded=loaded)
     engines = {k: Engine(replace(base, speculative=SpeculativeConfig(
-        num_speculative_tokens=k, prompt_lookup_max=args.prompt_lookup_max)), loaded=loaded) for k in args.k}
+        num_speculative_tokens=k, prompt_lookup_max=args.prompt_lookup_max,
+        prompt_lookup_min=args.prompt_lookup_min)), loaded=loaded) for k in args.k}
     workloads = {"grounded": grounded_prompts(off, args.num_prompts),
                  "random": random_prompts(args.num_prompts, args.random_len, off.spec.vocab_size)}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

@@ -61,7 +61,11 @@ def test_propose_takes_the_most_recent_longest_match():
     assert propose_ngram(tokens, 2, max_n=3, min_n=3) == [9, 2]
     assert propose_ngram([4, 5, 6], 2, max_n=3) == []  # 6 never occurred before
     assert propose_ngram([4, 5, 4, 6], 3, max_n=3, min_n=2) == []
-    assert propose_ngram([7, 7, 7], 4, max_n=2) == [7]  # the continuation stops at the end
+    # A continuation that runs into the end repeats the span from the match to the end.
+    assert propose_ngram([7, 7, 7], 4, max_n=2) == [7, 7, 7, 7]
+    assert propose_ngram([5, 1, 2, 3, 1, 2, 3], 5, max_n=2) == [1, 2, 3, 1, 2]  # period 3
+    assert propose_ngram([5, 1, 2, 3, 1, 2, 3], 2, max_n=2) == [1, 2]  # within the text
+    assert propose_ngram([1, 2, 9, 1, 2], 4, max_n=2) == [9, 1, 2, 9]  # period 3 from "1 2"
 
 
 def seq_with(params: SamplingParams):
@@ -266,7 +270,11 @@ def test_penalties_and_min_tokens_do_not_draft():
 
 def test_speculative_config_from_json_and_flags():
     c = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
-    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 4, 1)
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (3, 4, 2)
+    c = SpeculativeConfig.from_json('{"num_speculative_tokens": 3, "prompt_lookup_max": 1}')
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (1, 1)
+    c = SpeculativeConfig.from_json('{"num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (3, 1)
     bad = ['{"method": "eagle", "num_speculative_tokens": 3}', '{"num_speculative_tokens": 3, "x": 1}',
            '{"prompt_lookup_max": 3}', '{"num_speculative_tokens": "3"}', '[1]', '{nope',
            '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}']

@@ -31,7 +31,11 @@ from common.engine.sampler import Sampler
 
 def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int = 1) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
-    suffix of ``tokens`` (``max_n`` down to ``min_n`` long); [] when none occurred."""
+    suffix of ``tokens`` (``max_n`` down to ``min_n`` long); [] when none occurred.
+
+    Where what followed runs into the end of ``tokens`` before ``k``, the draft goes on as
+    the span repeats (period: the match's distance from the end): a sequence caught in a
+    loop drafts the whole ``k``, not the few tokens left before its end."""
     if k < 1 or len(tokens) < min_n + 1:
         return []
     arr = np.asarray(tokens)
@@ -45,8 +49,12 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int = 1) -> list
         length += alive
     if not len(ends) or length.max() < min_n:
         return []
-    best = ends[np.flatnonzero(length == length.max())[-1]]  # the most recent longest
-    return arr[best + 1 : best + 1 + k].tolist()
+    best = int(ends[np.flatnonzero(length == length.max())[-1]])  # the most recent longest
+    draft = arr[best + 1 : best + 1 + k].tolist()
+    period = last - best
+    while len(draft) < k:  # draft[i] is token best + 1 + i, so past the end draft[i - period]
+        draft.append(draft[len(draft) - period])
+    return draft
 
 
 @dataclass(slots=True)
