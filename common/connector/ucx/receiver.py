@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import queue
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ from common.connector.ucx.framing import (
 from common.connector.ucx.loop import TaskSet, UcxLoop, ucxx
 from common.protocol import KVAck, ProtocolError, encode
 
+_WAKE_NAMES = itertools.count()  # inproc wake-up pipe names, one per receiver
 
 @dataclass(slots=True, eq=False)  # identity: kept in a set
 class _Connection:
@@ -70,7 +72,9 @@ class UcxReceiver:
         self._closed = False
         # A zmq pipe the loop thread pokes per ready transfer, so a worker can sleep in
         # its zmq poller instead of polling this receiver on a timer.
-        wake = f"inproc://tandem-ucx-wakeup-{id(self):x}"
+        # Never a name used before: a closed socket's inproc name stays bound until
+        # ZeroMQ's reaper gets to it, and a new receiver may get the old one's id().
+        wake = f"inproc://tandem-ucx-wakeup-{next(_WAKE_NAMES)}"
         self._wake_rx = zmq.Context.instance().socket(zmq.PULL)
         self._wake_rx.bind(wake)
         self._wake_tx: zmq.Socket | None = None  # loop thread only
