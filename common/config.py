@@ -160,7 +160,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
-        if self.prompt_lookup_min == 0 and self.prompt_lookup_max >= 1:
+        if self.prompt_lookup_min == 0:
             object.__setattr__(self, "prompt_lookup_min", min(2, self.prompt_lookup_max))
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "

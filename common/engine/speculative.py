@@ -49,12 +49,9 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int = 1) -> list
         length += alive
     if not len(ends) or length.max() < min_n:
         return []
-    best = int(ends[np.flatnonzero(length == length.max())[-1]])  # the most recent longest
-    draft = arr[best + 1 : best + 1 + k].tolist()
-    period = last - best
-    while len(draft) < k:  # draft[i] is token best + 1 + i, so past the end draft[i - period]
-        draft.append(draft[len(draft) - period])
-    return draft
+    best = ends[np.flatnonzero(length == length.max())[-1]]  # the most recent longest
+    # Tokens best + 1 .. last followed the match; past the end they repeat with that period.
+    return arr[best + 1 + np.arange(k) % (last - best)].tolist()
 
 
 @dataclass(slots=True)

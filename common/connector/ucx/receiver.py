@@ -47,6 +47,7 @@ from common.protocol import KVAck, ProtocolError, encode
 
 _WAKE_NAMES = itertools.count()  # inproc wake-up pipe names, one per receiver
 
+
 @dataclass(slots=True, eq=False)  # identity: kept in a set
 class _Connection:
     """One sender's endpoint on the receiver side; ``ReceivedTransfer.peer`` is this."""
