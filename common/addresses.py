@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import random
 import socket
 
 log = logging.getLogger("tandem.addresses")
@@ -82,21 +83,48 @@ def free_port(host: str = "127.0.0.1") -> int:
     return port
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for ``bind(0)`` and ``connect()`` (Linux's default if
+    the sysctl cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+# Planned ports come from below the ephemeral range: a port picked up front is free only
+# until it is released, and a service that binds port 0 (a decode worker's KV socket) or
+# dials out in that gap could otherwise be handed the same port by the kernel.
+_PLANNED_LOW = 20000
+
+
 def free_ports(count: int, host: str = "127.0.0.1", avoid: frozenset[int] = frozenset()) -> list[int]:
-    """``count`` distinct ports nothing listens on right now, none of them in ``avoid``.
+    """``count`` distinct ports nothing listens on right now, none of them in ``avoid``,
+    and none the kernel would hand out on its own.
 
     Every socket stays bound until all are picked: a port closed at once may be handed out
     again by the next pick, and two services told the same port collide (an HTTP metrics
     server that won the port would answer another service's ``/health``)."""
+    low, _ = _ephemeral_range()
+    candidates = range(_PLANNED_LOW, low) if low - _PLANNED_LOW >= 1000 else None
     held: list[socket.socket] = []
     ports: list[int] = []
     try:
-        while len(ports) < count:
+        for _ in range(count * 50):
+            if len(ports) == count:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             held.append(s)
-            s.bind((host, 0))
+            try:
+                s.bind((host, random.choice(candidates) if candidates else 0))
+            except OSError:  # taken: try another
+                continue
             if (port := s.getsockname()[1]) not in avoid:  # an avoided one stays held, unused
                 ports.append(port)
+        if len(ports) < count:
+            raise OSError(f"no {count} free ports on {host}")
         return ports
     finally:
         for s in held:

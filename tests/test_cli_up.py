@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,20 @@ import psutil
 import pytest
 
 from cli.main import build_parser
-from common.addresses import free_port
+from common.addresses import _ephemeral_range, free_port, free_ports
 from services import launcher
+
+
+def test_planned_ports_are_distinct_free_and_never_ones_the_kernel_hands_out():
+    # A port planned up front is released before its service binds it; in that gap a
+    # worker's bind(0) (its KV socket) or any connect() takes a port from the ephemeral
+    # range, so a planned port from that range could be stolen (a CI run hit exactly this).
+    low, high = _ephemeral_range()
+    ports = free_ports(40)
+    assert len(set(ports)) == 40 and not any(low <= p <= high for p in ports)
+    for port in ports:  # and free: each binds right away
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_up_serves_then_stops_every_process(tiny_model_dir):
