@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_memory
 
 B, H, KVH, D, BS = 64, 9, 3, 64, 16
 COLD_BYTES = 256 << 20  # K/V bytes spread over the layers: well past any L3
@@ -37,7 +37,8 @@ def make_cache(ctx: int, layers: int) -> tuple[torch.Tensor, torch.Tensor, torch
     """A [NB, layers, 2, BS, KVH, D] cache, shuffled block tables, lengths all ``ctx``."""
     per_seq = -(-ctx // BS)
     num_blocks = B * per_seq
-    kv = torch.randn(num_blocks, layers, 2, BS, KVH, D)
+    kv = cpu_memory.empty((num_blocks, layers, 2, BS, KVH, D))  # huge pages, as the engine's
+    kv.copy_(torch.randn(kv.shape))
     tables = torch.randperm(num_blocks, dtype=torch.int32).view(B, per_seq)
     return kv, tables, torch.full((B,), ctx, dtype=torch.int32)
 

@@ -100,6 +100,47 @@ def scalar_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def test_the_native_build_takes_the_avx512_path_exactly_where_the_cpu_has_it() -> None:
+    lib = ctypes.CDLL(str(cpu_attention.library_path(torch.float32)))
+    want = 2 if {"avx512f", "avx512dq"} <= _cpu_flags() else 1
+    assert lib.paged_attention_simd_level() == want
+
+
+@pytest.fixture(scope="module")
+def avx2_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The C file built for AVX2 + FMA only: the tiles an AVX-512 machine never runs."""
+    if not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    cc = shutil.which("gcc")
+    assert cc is not None  # available() is True
+    lib = tmp_path_factory.mktemp("avx2") / "avx2.so"
+    cmd = [cc, *cpu_attention.CFLAGS, "-mno-avx512f", "-DPA_DTYPE=0", str(cpu_attention.SOURCE),
+           "-o", str(lib), "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (4, 4)])
+def test_avx2_build_matches_reference(avx2_lib: ctypes.CDLL, heads: int, kv_heads: int) -> None:
+    assert avx2_lib.paged_attention_simd_level() == 1
+    fn = cpu_attention.bind(avx2_lib, torch.float32)
+    q, k, v, tables, lens = make_case(LENS, heads, kv_heads, 64)
+    out = torch.empty_like(q)
+    rc = fn(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv_heads * 64, 64,
+        k.shape[0], tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
+        len(LENS), heads, kv_heads, 64, 16, 0.125, out.data_ptr(), 2,
+    )  # fmt: skip
+    assert rc == 0
+    want = reference.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_scalar_fallback_build(scalar_lib: ctypes.CDLL, dtype: torch.dtype) -> None:
     assert scalar_lib.paged_attention_simd_level() == 0
