@@ -83,7 +83,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     return port
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def ephemeral_range() -> tuple[int, int]:
     """The ports the kernel hands out for ``bind(0)`` and ``connect()`` (Linux's default if
     the sysctl cannot be read)."""
     try:
@@ -107,7 +107,7 @@ def free_ports(count: int, host: str = "127.0.0.1", avoid: frozenset[int] = froz
     Every socket stays bound until all are picked: a port closed at once may be handed out
     again by the next pick, and two services told the same port collide (an HTTP metrics
     server that won the port would answer another service's ``/health``)."""
-    low, _ = _ephemeral_range()
+    low, _ = ephemeral_range()
     candidates = range(_PLANNED_LOW, low) if low - _PLANNED_LOW >= 1000 else None
     held: list[socket.socket] = []
     ports: list[int] = []

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from cli.main import build_parser
-from common.addresses import _ephemeral_range, free_port, free_ports
+from common.addresses import ephemeral_range, free_port, free_ports
 from services import launcher
 
 
@@ -23,7 +23,7 @@ def test_planned_ports_are_distinct_free_and_never_ones_the_kernel_hands_out():
     # A port planned up front is released before its service binds it; in that gap a
     # worker's bind(0) (its KV socket) or any connect() takes a port from the ephemeral
     # range, so a planned port from that range could be stolen (a CI run hit exactly this).
-    low, high = _ephemeral_range()
+    low, high = ephemeral_range()
     ports = free_ports(40)
     assert len(set(ports)) == 40 and not any(low <= p <= high for p in ports)
     for port in ports:  # and free: each binds right away
