@@ -99,13 +99,15 @@ def _quantized_ops(fmt: kv_quant.KVQuant, use_c: bool) -> _CacheOps:
 
 
 class TorchBackend:
-    """CPU path: SDPA for prefill chunks, the fused C kernel (or the reference) for decodes."""
+    """CPU path: the fused C kernels (or the reference) for decodes; for prefill chunks
+    over a float32 cache the C prefill kernel where it builds (AVX-512), else SDPA."""
 
     def __init__(self, use_c_kernel: bool = True) -> None:
         self._use_c = use_c_kernel
         self._c_decode = _load_c_decode() if use_c_kernel else None
         self._float = _CacheOps(reference.write_kv, self._c_decode or reference.paged_decode_attention,
                                 reference.gather_kv)
+        self._c_prefill = _load_c_prefill() if use_c_kernel else None
         self.name = "torch+c" if self._c_decode else "torch"
         self.c_decode_f32 = self._c_decode is not None  # float32 decodes run the C kernel
 
@@ -118,9 +120,15 @@ class TorchBackend:
         if nd:
             out[:nd] = ops.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                   meta.decode_context_lens, scale)
+        c_prefill = not quantized and self._c_prefill and k_cache.dtype is torch.float32 and \
+            cpu_attention_supports(q.shape[-1])
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_new)
-            if span.has_prefix or quantized:
+            if c_prefill:  # reads the cache in place: no gather, prefix or not
+                out[rows] = self._c_prefill(q[rows], k_cache, v_cache,
+                                            meta.prefill_block_tables[span.row], span.num_context,
+                                            scale)
+            elif span.has_prefix or quantized:
                 ids = meta.prefill_block_tables[span.row]
                 ks = ops.gather(k_cache, ids, span.num_context)
                 vs = ops.gather(v_cache, ids, span.num_context)
@@ -177,6 +185,22 @@ def _sdpa(
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=scale,
                                              enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def cpu_attention_supports(head_dim: int) -> bool:
+    from kernels import cpu_attention
+
+    return cpu_attention.prefill_supports(head_dim)
+
+
+def _load_c_prefill():
+    from kernels import cpu_attention
+
+    if not cpu_attention.prefill_available():
+        log.info("C prefill attention unavailable (%s); using SDPA",
+                 cpu_attention.prefill_unavailable_reason())
+        return None
+    return cpu_attention.paged_prefill_attention
 
 
 def _load_c_decode():

@@ -9,6 +9,10 @@ or bfloat16 cache, and ``paged_decode_attention_quantized``, those of
 ``kernels.kv_quant.paged_decode_attention`` for an int8 / fp8 cache (codes read and scaled
 in registers). ``available()`` says whether the kernel could be built here; when it
 cannot, callers use the torch path.
+
+``paged_prefill_attention`` is the causal attention of one sequence's prefill chunk over
+its float32 cache, on AVX-512 builds (``prefill_available()``); elsewhere callers use
+torch's SDPA.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from kernels.kv_quant import KVQuant, QuantizedCache
 __all__ = [
     "CFLAGS", "LIBS", "SOURCE", "available", "bind", "build_flags", "build_key", "cache_dir", "entry_point",
     "library_path", "openmp_runtimes", "paged_decode_attention",
-    "paged_decode_attention_quantized", "unavailable_reason",
+    "paged_decode_attention_quantized", "paged_prefill_attention", "prefill_available",
+    "prefill_supports", "prefill_unavailable_reason",
+    "unavailable_reason",
 ]  # fmt: skip
 
 SOURCE = Path(__file__).parent / "cpu" / "paged_attention.c"
@@ -75,10 +81,85 @@ def _open(dtype: torch.dtype | KVQuant) -> ctypes._CFuncPtr:
 _loader = cpu_build.Loader("CPU paged attention kernel", _open)  # one variant per dtype
 
 
+_PREFILL_ARGTYPES = [
+    _ptr, _i64, _ptr, _ptr,  # q, its row stride, k_cache, v_cache
+    _i64, _i64, _i64, _i64, _i64,  # k/v block stride, token stride, head stride, num_blocks
+    _ptr, _i32, _i32,  # block_table (one row), num_context, num_new
+    _i32, _i32, _i32, _i32,  # H, KVH, D, block_size
+    ctypes.c_float, _ptr, _i64, _i32,  # scale, out, its row stride, num_threads
+]  # fmt: skip
+
+
+def _open_prefill(_key: None) -> ctypes._CFuncPtr:
+    lib = cpu_build.load(library_path(torch.float32), "CPU attention kernel")
+    if lib.paged_attention_simd_level() < 2:
+        raise OSError("the prefill kernel needs AVX-512 (this build has none)")
+    fn = lib.paged_prefill_attention_f32
+    fn.argtypes, fn.restype = _PREFILL_ARGTYPES, ctypes.c_int
+    return fn
+
+
+_prefill_loader = cpu_build.Loader("CPU prefill attention kernel", _open_prefill)
+
 
 def forget_builds() -> None:
     """Forget what was built or loaded, as in a new process (tests of the build path)."""
     _loader.reset()
+    _prefill_loader.reset()
+
+
+def prefill_available() -> bool:
+    """Whether ``paged_prefill_attention`` runs here (an AVX-512 build)."""
+    return _prefill_loader.get(None) is not None
+
+
+def prefill_unavailable_reason() -> str | None:
+    return _prefill_loader.reason(None)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [Q, H, D] float32, the chunk's queries, contiguous
+    k_cache: torch.Tensor,  # [NB, BS, KVH, D] float32, inner 3 dims contiguous
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks] int, the sequence's row
+    num_context: int,  # tokens cached after this chunk (its own Q included)
+    scale: float,
+    num_threads: int | None = None,
+) -> torch.Tensor:  # [Q, H, D] float32
+    """Causal attention of query row i (position ``num_context - Q + i``) over positions
+    ``0 .. num_context - Q + i`` of the cache, as ``reference.paged_prefill_attention``.
+    ValueError where the kernel does not take the shape (the caller asks
+    ``prefill_supports`` first)."""
+    fn = _prefill_loader.require(None)
+    _check_cache(q, k_cache, v_cache)
+    if k_cache.dtype is not torch.float32:
+        raise ValueError(f"the prefill kernel reads float32 caches, not {k_cache.dtype}")
+    table = _as_int32_rows(block_table, "block_table", 1)
+    num_new, heads, dim = q.shape
+    num_blocks, block_size, kvh, _ = k_cache.shape
+    if not 1 <= num_new <= num_context or table.shape[0] * block_size < num_context:
+        raise ValueError(f"{num_new} new tokens of {num_context} do not fit a table of "
+                         f"{table.shape[0]} blocks")
+    out = torch.empty_like(q)
+    rc = fn(
+        q.data_ptr(), heads * dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        v_cache.stride(0), kvh * dim, dim, num_blocks, table.data_ptr(), num_context, num_new,
+        heads, kvh, dim, block_size, scale, out.data_ptr(), heads * dim,
+        num_threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -2:
+        raise ValueError(f"block_table has a block id outside [0, {num_blocks})")
+    if rc == -3:
+        raise MemoryError("CPU prefill attention could not allocate its scratch buffers")
+    if rc != 0:
+        raise ValueError(f"the prefill kernel does not take head_dim {dim} ({heads} over {kvh} heads)")
+    return out
+
+
+def prefill_supports(head_dim: int) -> bool:
+    """Shapes the prefill kernel takes (any head counts; head_dim 64 or 128)."""
+    return head_dim in (64, 128)
+
 
 def available(cache_dtype: torch.dtype | KVQuant = torch.float32) -> bool:
     """Whether the kernel for caches of ``cache_dtype`` could be built and loaded.

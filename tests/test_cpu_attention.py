@@ -111,6 +111,40 @@ def test_the_native_build_takes_the_avx512_path_exactly_where_the_cpu_has_it() -
     assert lib.paged_attention_simd_level() == want
 
 
+@pytest.mark.parametrize("new,context,heads,kv_heads,dim", [
+    (256, 256, 9, 3, 64),  # a whole prompt
+    (37, 100, 9, 3, 64),  # a later chunk: a cached prefix, tiles of rows and keys cut short
+    (1, 17, 4, 2, 64),  # one row
+    (100, 100, 8, 1, 128),
+    (13, 13, 4, 4, 64),
+    (40, 70, 7, 7, 64),
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_kernel_matches_the_reference(new, context, heads, kv_heads, dim, threads) -> None:
+    if not cpu_attention.prefill_available():
+        pytest.skip(f"no prefill kernel here: {cpu_attention.prefill_unavailable_reason()}")
+    q, k, v, tables, _ = make_case([context], heads, kv_heads, dim, seed=new)
+    queries = torch.randn(new, heads, dim, generator=torch.Generator().manual_seed(context))
+    queries[0, 0] *= 40  # a peaked softmax: the running max must rescale what came before
+    got = cpu_attention.paged_prefill_attention(queries, k, v, tables[0], context, dim**-0.5,
+                                                num_threads=threads)
+    want = reference.paged_prefill_attention(queries, k, v, tables[:1], torch.tensor([0, new]),
+                                             torch.tensor([context]), dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_kernel_is_there_exactly_where_the_cpu_has_avx512() -> None:
+    assert cpu_attention.prefill_available() == ({"avx512f", "avx512dq"} <= _cpu_flags())
+    if cpu_attention.prefill_available():
+        q, k, v, tables, _ = make_case([20], 4, 2, 64)
+        with pytest.raises(ValueError, match="outside"):
+            bad = tables[0].clone()
+            bad[0] = 10_000
+            cpu_attention.paged_prefill_attention(torch.randn(4, 4, 64), k, v, bad, 20, 0.125)
+        with pytest.raises(ValueError, match="do not fit"):
+            cpu_attention.paged_prefill_attention(torch.randn(30, 4, 64), k, v, tables[0], 20, 0.125)
+
+
 @pytest.fixture(scope="module")
 def avx2_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """The C file built for AVX2 + FMA only: the tiles an AVX-512 machine never runs."""

@@ -850,5 +850,175 @@ PA_QENTRY(paged_decode_attention_i8, DT_I8, 1.0f)
 PA_QENTRY(paged_decode_attention_fp8, DT_FP8, FP8_F16_FACTOR)
 #endif
 
+/* ---------------------------------------------------------------- prefill, AVX-512 */
+
+/* Causal attention of one sequence's prefill chunk over its paged float32 cache (the
+ * chunk's own K/V already written): query row i, at position prefix + i, attends to
+ * positions 0 .. prefix + i. Flash-attention style, on AVX-512 builds only:
+ *   1. K of every kv head is transposed into kt [KVH][D][C] (C = context rounded up to
+ *      32) and V gathered into vc [KVH][C][D], so the loops below read contiguous tiles;
+ *   2. a work item is (query head, 8 rows): per tile of 32 keys, S = q . kt (a query
+ *      float broadcast against 32 keys, no horizontal sums), the causal mask, an online
+ *      softmax (running max and sum per row, earlier output rescaled), O += P . V.
+ * Float32 throughout; exp is exp8's polynomial. Returns 0; -1 for a size it does not
+ * take (the caller uses torch then), -2 for a block id outside [0, num_blocks), -3 if
+ * scratch memory could not be allocated. */
+#if PA_AVX512 && PA_WITH(0)
+#define PF_ROWS 8
+#define PF_KEYS 32
+
+/* One item: rows [r0, r0 + nr) of query head qh. */
+static void prefill_item(const float *q, int64_t q_stride, const float *kt, const float *vc,
+                         int C, int prefix, int r0, int nr, int D, float scale,
+                         float *out, int64_t out_stride) {
+    float qb[PF_ROWS][128], o[PF_ROWS][128], pb[PF_ROWS][PF_KEYS], m[PF_ROWS], l[PF_ROWS];
+    for (int r = 0; r < PF_ROWS; r++) {
+        for (int d = 0; d < D; d++) qb[r][d] = r < nr ? q[(int64_t)(r0 + r) * q_stride + d] * scale : 0.0f;
+        for (int d = 0; d < D; d++) o[r][d] = 0.0f;
+        for (int j = 0; j < PF_KEYS; j++) pb[r][j] = 0.0f; /* rows past nr stay 0 */
+        m[r] = -INFINITY, l[r] = 0.0f;
+    }
+    const int last = prefix + r0 + nr - 1; /* the last key any row sees */
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int j0 = 0; j0 <= last; j0 += PF_KEYS) {
+        __m512 s[PF_ROWS][2];
+        for (int r = 0; r < PF_ROWS; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m512 k0 = _mm512_loadu_ps(kt + (int64_t)d * C + j0);
+            const __m512 k1 = _mm512_loadu_ps(kt + (int64_t)d * C + j0 + 16);
+            for (int r = 0; r < PF_ROWS; r++) {
+                const __m512 qv = _mm512_set1_ps(qb[r][d]);
+                s[r][0] = _mm512_fmadd_ps(qv, k0, s[r][0]);
+                s[r][1] = _mm512_fmadd_ps(qv, k1, s[r][1]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const int seen = prefix + r0 + r - j0; /* keys j0 .. j0 + seen are visible */
+            if (seen < 0) { /* none in this tile: nothing changes for the row */
+                for (int j = 0; j < PF_KEYS; j++) pb[r][j] = 0.0f;
+                continue;
+            }
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            const __m512i limit = _mm512_set1_epi32(seen);
+            const __m512 a = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(lane, limit), ninf, s[r][0]);
+            const __m512 b = _mm512_mask_blend_ps(
+                _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit), ninf, s[r][1]);
+            const float mt = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+            const float mn = mt > m[r] ? mt : m[r];
+            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
+            const __m256 vm = _mm256_set1_ps(mn);
+            __m256 sum = _mm256_setzero_ps();
+            const __m256 parts[4] = {_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1),
+                                     _mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1)};
+            for (int h = 0; h < 4; h++) {
+                const __m256 e = exp8(_mm256_sub_ps(parts[h], vm));
+                _mm256_storeu_ps(pb[r] + 8 * h, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            l[r] = l[r] * alpha + hsum1(sum);
+            m[r] = mn;
+            if (alpha != 1.0f) {
+                const __m512 c = _mm512_set1_ps(alpha);
+                for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o[r] + d, _mm512_mul_ps(_mm512_loadu_ps(o[r] + d), c));
+            }
+        }
+        const int nk = last - j0 + 1 < PF_KEYS ? last - j0 + 1 : PF_KEYS;
+        for (int r = 0; r < nr; r += 4) {
+            const int rn = nr - r < 4 ? nr - r : 4;
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                __m512 acc[4][4];
+                for (int i = 0; i < 4; i++)
+                    for (int z = 0; z < 4; z++) acc[i][z] = i < rn ? _mm512_loadu_ps(o[r + i] + d0 + 16 * z) : _mm512_setzero_ps();
+                for (int j = 0; j < nk; j++) {
+                    const float *vr = vc + (int64_t)(j0 + j) * D + d0;
+                    const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
+                    const __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+                    for (int i = 0; i < 4; i++) {
+                        const __m512 pv = _mm512_set1_ps(pb[r + i][j]);
+                        acc[i][0] = _mm512_fmadd_ps(pv, v0, acc[i][0]);
+                        acc[i][1] = _mm512_fmadd_ps(pv, v1, acc[i][1]);
+                        acc[i][2] = _mm512_fmadd_ps(pv, v2, acc[i][2]);
+                        acc[i][3] = _mm512_fmadd_ps(pv, v3, acc[i][3]);
+                    }
+                }
+                for (int i = 0; i < rn; i++)
+                    for (int z = 0; z < 4; z++) _mm512_storeu_ps(o[r + i] + d0 + 16 * z, acc[i][z]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        const float inv = 1.0f / l[r];
+        float *dst = out + (int64_t)(r0 + r) * out_stride;
+        for (int d = 0; d < D; d++) dst[d] = o[r][d] * inv;
+    }
+}
+#endif
+
+int paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                                const float *v_cache, int64_t k_block_stride,
+                                int64_t v_block_stride, int64_t token_stride, int64_t head_stride,
+                                int64_t num_blocks, const int32_t *block_table, int num_context,
+                                int num_new, int H, int KVH, int D, int block_size, float scale,
+                                float *out, int64_t out_stride, int num_threads) {
+#if PA_AVX512 && PA_WITH(0)
+    if (num_new < 1 || num_new > num_context || KVH < 1 || H % KVH || D % 64 || D > 128 ||
+        block_size < 1)
+        return -1;
+    const int nb = (num_context + block_size - 1) / block_size;
+    for (int i = 0; i < nb; i++)
+        if (block_table[i] < 0 || block_table[i] >= num_blocks) return -2;
+    const int C = (num_context + PF_KEYS - 1) / PF_KEYS * PF_KEYS, G = H / KVH;
+    const int prefix = num_context - num_new;
+    float *kt = malloc(sizeof(float) * (size_t)KVH * D * C);
+    float *vc = malloc(sizeof(float) * (size_t)KVH * C * D);
+    if (!kt || !vc) {
+        free(kt), free(vc);
+        return -3;
+    }
+    if (num_threads < 1) num_threads = 1;
+    const int tiles = (num_new + PF_ROWS - 1) / PF_ROWS;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t hb = 0; hb < (int64_t)KVH * nb; hb++) {
+            const int h = (int)(hb / nb), b = (int)(hb % nb);
+            float *kth = kt + (int64_t)h * D * C, *vch = vc + (int64_t)h * C * D;
+            for (int o = 0; o < block_size; o++) {
+                const int t = b * block_size + o;
+                if (t >= num_context) break;
+                const int64_t at = (int64_t)block_table[b] * k_block_stride + o * token_stride + h * head_stride;
+                const int64_t av = (int64_t)block_table[b] * v_block_stride + o * token_stride + h * head_stride;
+                for (int d = 0; d < D; d++) kth[(int64_t)d * C + t] = k_cache[at + d];
+                memcpy(vch + (int64_t)t * D, v_cache + av, sizeof(float) * (size_t)D);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t ht = 0; ht < (int64_t)KVH * (C - num_context); ht++) { /* padding keys */
+            const int h = (int)(ht / (C - num_context)), t = num_context + (int)(ht % (C - num_context));
+            for (int d = 0; d < D; d++) kt[((int64_t)h * D + d) * C + t] = 0.0f;
+            memset(vc + ((int64_t)h * C + t) * D, 0, sizeof(float) * (size_t)D);
+        }
+        /* Later row tiles see more keys: hand them out first, dynamically. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < (int64_t)H * tiles; it++) {
+            const int tile = tiles - 1 - (int)(it / H), qh = (int)(it % H), h = qh / G;
+            const int r0 = tile * PF_ROWS, nr = num_new - r0 < PF_ROWS ? num_new - r0 : PF_ROWS;
+            prefill_item(q + (int64_t)qh * D, q_stride, kt + (int64_t)h * D * C,
+                         vc + (int64_t)h * C * D, C, prefix, r0, nr, D, scale,
+                         out + (int64_t)qh * D, out_stride);
+        }
+    }
+    free(kt);
+    free(vc);
+    return 0;
+#else
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)k_block_stride;
+    (void)v_block_stride, (void)token_stride, (void)head_stride, (void)num_blocks;
+    (void)block_table, (void)num_context, (void)num_new, (void)H, (void)KVH, (void)D;
+    (void)block_size, (void)scale, (void)out, (void)out_stride, (void)num_threads;
+    return -1;
+#endif
+}
+
 /* 1 if this build uses the AVX2+FMA path, 0 for the scalar fallback. */
 int paged_attention_simd_level(void) { return PA_AVX512 ? 2 : PA_AVX2; }
