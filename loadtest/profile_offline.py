@@ -63,7 +63,8 @@ class Timers:
 def _linear_label(vocab: int) -> Callable[..., tuple[str, float]]:
     def label(x, weight, bias=None):
         m, n, k = x.shape[0], weight.n, x.shape[-1]
-        kind = "lm head" if n == vocab else "GEMV (M <= 24)" if m <= 24 else "GEMM"
+        kind = ("lm head" if n == vocab else "GEMV (M <= 24)" if m <= 24
+                else "GEMV (M <= 128)" if m <= 128 else "GEMM (M > 128)")
         return f"quant {kind}", 2.0 * m * n * k
     return label
 
