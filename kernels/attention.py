@@ -120,14 +120,14 @@ class TorchBackend:
         if nd:
             out[:nd] = ops.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                   meta.decode_context_lens, scale)
-        c_prefill = not quantized and self._c_prefill and k_cache.dtype is torch.float32 and \
-            cpu_attention_supports(q.shape[-1])
+        c_prefill = (self._c_prefill is not None and not quantized and k_cache.dtype is torch.float32
+                     and self._c_prefill.prefill_supports(q.shape[-1]))
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_new)
             if c_prefill:  # reads the cache in place: no gather, prefix or not
-                out[rows] = self._c_prefill(q[rows], k_cache, v_cache,
-                                            meta.prefill_block_tables[span.row], span.num_context,
-                                            scale)
+                out[rows] = self._c_prefill.paged_prefill_attention(
+                    q[rows], k_cache, v_cache, meta.prefill_block_tables[span.row], span.num_context,
+                    scale)
             elif span.has_prefix or quantized:
                 ids = meta.prefill_block_tables[span.row]
                 ks = ops.gather(k_cache, ids, span.num_context)
@@ -187,20 +187,15 @@ def _sdpa(
     return out[0].transpose(0, 1)
 
 
-def cpu_attention_supports(head_dim: int) -> bool:
-    from kernels import cpu_attention
-
-    return cpu_attention.prefill_supports(head_dim)
-
-
 def _load_c_prefill():
+    """``kernels.cpu_attention`` where its prefill kernel runs here, else None."""
     from kernels import cpu_attention
 
     if not cpu_attention.prefill_available():
         log.info("C prefill attention unavailable (%s); using SDPA",
                  cpu_attention.prefill_unavailable_reason())
         return None
-    return cpu_attention.paged_prefill_attention
+    return cpu_attention
 
 
 def _load_c_decode():
