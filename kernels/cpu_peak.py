@@ -15,7 +15,7 @@ SOURCE = Path(__file__).parent / "cpu" / "fma_peak.c"
 def _open(_variant: None) -> ctypes._CFuncPtr:
     lib = cpu_build.load(cpu_build.library_path(SOURCE, "fma_peak", cpu_build.CFLAGS), "FMA peak")
     fn = lib.fma_peak_gflops
-    fn.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+    fn.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
     fn.restype = ctypes.c_double
     return fn
 
@@ -28,11 +28,15 @@ def available() -> bool:
 
 
 def fma_peak_gflops(threads: int, iters: int = 20_000_000, reps: int = 5) -> float:
-    """Best of ``reps`` runs of ``threads`` threads, each ``iters`` rounds of 12 8-wide FMA
-    chains (about 0.3 s per run at 3 GHz). The best, not the mean: the peak is what the
-    cores can do, and on a shared VM a run can lose a core to a neighbour (seen here: one
-    two-thread run at half the rate of the next). RuntimeError where it cannot be built."""
+    """Best of ``reps`` runs of ``threads`` threads, each ``iters`` rounds of 12 FMA
+    chains, 8 floats wide and then 16 (about 0.3 s per run at 3 GHz for 8): the wider
+    runs twice as fast where the CPU has whole 512-bit FMA units (Intel's server cores),
+    at the same rate where it splits them (Zen 4). The best, not the mean: the peak is
+    what the cores can do, and on a shared VM a run can lose a core to a neighbour (seen
+    here: one two-thread run at half the rate of the next). RuntimeError where it cannot
+    be built."""
     fn = _loader.require(None)
     sink = ctypes.c_float()
-    fn(iters // 10, threads, ctypes.byref(sink))  # wake the cores and the thread pool
-    return max(fn(iters, threads, ctypes.byref(sink)) for _ in range(reps))
+    fn(iters // 10, threads, 8, ctypes.byref(sink))  # wake the cores and the thread pool
+    return max(fn(iters // (width // 8), threads, width, ctypes.byref(sink))
+               for width in (8, 16) for _ in range(reps))
