@@ -239,6 +239,39 @@ def test_integer_gemv_leaves_non_finite_x_to_the_float_path() -> None:
     assert torch.equal(got[finite], want[finite])
 
 
+@pytest.mark.parametrize("fmt", list(QuantFormat))
+def test_avx512_gemm_equals_the_avx2_gemm_to_the_bit(fmt: QuantFormat) -> None:
+    """Above the GEMV's sizes the AVX-512 path runs 12 x 32 tiles over pairs of dequantised
+    panels where the AVX2 one runs 6 x 16 tiles over one: each element is still one FMA
+    chain over k in order, so the two agree bit for bit: every tile height (the rows of a
+    block split into tiles of up to 12), a lone panel at the end of a thread's share, bias
+    and strided x included."""
+    cpu_quant.set_isa("avx512")
+    try:
+        if cpu_quant.isa() != "avx512":
+            pytest.skip("this CPU lacks AVX-512")
+    finally:
+        cpu_quant.set_isa(None)
+    g = torch.Generator().manual_seed(17)
+    k = 1 if fmt is QuantFormat.INT8_ROW else 64
+    n = 16 * 5 + 3  # 6 panels: a lone one at the end of a thread's three, a partial one
+    w = quantize_int8_rows(torch.randn(n, 45, generator=g)) if k == 1 else quantized(fmt, n, k, seed=18)
+    packed, b = cpu_quant.pack(w), torch.randn(n, generator=g)
+    got = {}
+    for isa in ("avx512", "avx2"):
+        cpu_quant.set_isa(isa)
+        try:
+            for m in (*range(129, 142), 300):
+                x = torch.randn(m, w.k + 4, generator=torch.Generator().manual_seed(m))[:, 2 : 2 + w.k]
+                for threads in (1, 2):
+                    got[isa, m, threads] = cpu_quant.linear(x, packed, b, num_threads=threads)
+        finally:
+            cpu_quant.set_isa(None)
+    for (_, m, threads), y in got.items():
+        assert torch.equal(y, got["avx2", m, threads]), (m, threads)
+    assert_matches(got["avx512", 300, 2], reference(x, w, b))
+
+
 @pytest.mark.parametrize("k", [1, 7, 45])
 def test_int8_rows_of_any_length(k: int, isa: str) -> None:
     """INT8_ROW takes any K: the vector paths' tails past their unrolled steps."""

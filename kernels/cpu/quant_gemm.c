@@ -24,7 +24,8 @@
  * tile converts each weight to float once for all its rows (4 rows cost 2x one row, not 4x:
  * what makes verifying a speculative draft cheap).
  * Larger M: per panel, dequantise it into a float32 [K][16] buffer once (L1/L2), then a
- * 6 x 16 FMA micro-kernel sweeps every row of the M block over it (as packed_gemm.c).
+ * 6 x 16 FMA micro-kernel sweeps every row of the M block over it (as packed_gemm.c);
+ * with AVX-512, two panels at a time under a 12 x 32 tile (quant_gemm_avx512.h).
  *
  * Threads (OpenMP) split the panels. The AVX2/FMA/F16C code is compiled with target
  * attributes and chosen at run time, with an AVX-512 path beside it (quant_gemm_avx512.h);
@@ -223,11 +224,11 @@ static void digits_free(Digits *dg) {
 
 /* How one call multiplies: GEMV tiles (integer, AVX-512 or AVX2), or dequantised panels
  * through a micro-kernel (AVX2 or plain C). */
-typedef enum { GEMV_VNNI, GEMV_AVX512, GEMV_AVX2, GEMM_AVX2, GEMM_C } Path;
+typedef enum { GEMV_VNNI, GEMV_AVX512, GEMV_AVX2, GEMM_AVX512, GEMM_AVX2, GEMM_C } Path;
 
 static Path choose_path(int isa, int fmt, int64_t M) {
     if (isa == ISA_VNNI && fmt != INT8_ROW && M <= QG_VNNI_MAX) return GEMV_VNNI;
-    if (isa >= ISA_AVX512 && M <= QG_GEMV_MAX16) return GEMV_AVX512;
+    if (isa >= ISA_AVX512) return M <= QG_GEMV_MAX16 ? GEMV_AVX512 : GEMM_AVX512;
     if (isa >= ISA_AVX2) return M <= QG_GEMV_MAX ? GEMV_AVX2 : GEMM_AVX2;
     return GEMM_C;
 }
@@ -241,9 +242,19 @@ static void run_panels(const Args *a, const Digits *dg, int64_t p0, int64_t p1, 
 #else
     (void)dg;
 #endif
-    if (path != GEMM_AVX2 && path != GEMM_C) return;
+    if (path != GEMM_AVX512 && path != GEMM_AVX2 && path != GEMM_C) return;
     for (int64_t m0 = 0; m0 < a->M; m0 += QG_MC) {
         const int64_t m1 = a->M - m0 < QG_MC ? a->M : m0 + QG_MC;
+#if QG_X86
+        for (int64_t p = p0; path == GEMM_AVX512 && p < p1; p += 2) { /* panels in pairs */
+            const int np = p + 1 < p1 ? 2 : 1;
+            float *b1 = buf + a->K * NR;
+            dequant_panel_avx2(a, a->w + p * a->pbytes, buf);
+            if (np == 2) dequant_panel_avx2(a, a->w + (p + 1) * a->pbytes, b1);
+            gemm_panels_avx512(a, buf, b1, p * NR, m0, m1, np);
+        }
+        if (path == GEMM_AVX512) continue;
+#endif
         for (int64_t p = p0; p < p1; p++) {
             const uint8_t *panel = a->w + p * a->pbytes;
 #if QG_X86
@@ -323,7 +334,7 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
         const int64_t t = 0, T = 1;
 #endif
         const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
-        float *buf = gemv ? NULL : malloc((size_t)(K * NR + 16) * sizeof(float));
+        float *buf = gemv ? NULL : malloc((size_t)(2 * K * NR + 16) * sizeof(float)); /* two panels */
         if (!gemv && !buf) rc = -3;
         else if (p0 < p1) run_panels(&a, &dg, p0, p1, path, buf);
         free(buf);

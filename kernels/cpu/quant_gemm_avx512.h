@@ -11,10 +11,13 @@
  * gains ~5% (a weight's load, widening, conversion and FMA are the same pipe time in
  * either width), 4 to 128 rows 1.1-1.2x (SmolLM2's products, quant_gemm_bench.py), and
  * up to 128 rows these tiles beat dequantise + GEMM, so they take those sizes too
- * (QG_GEMV_MAX16). Tried and dropped: a 14 x 16 and a 12 x 32 AVX-512 GEMM tile over the
- * dequantised panel (172 and 195 GFLOP/s against the AVX2 tile's 198: at 88% of the FMA
- * peak that one has no slack left to win), and building floats from small integers by
- * OR-ing them into 2^23's bits and subtracting (no faster than the conversion).
+ * (QG_GEMV_MAX16). Tried and dropped: building floats from small integers by OR-ing them
+ * into 2^23's bits and subtracting (no faster than the conversion).
+ *
+ * Above QG_GEMV_MAX16 rows, the GEMM: pairs of dequantised panels under 12 x 32 tiles
+ * (gemm_tile16). On Zen 4 it is level with the AVX2 6 x 16 tile (195 against 198
+ * GFLOP/s: both at the same FMA peak); on Intel's server cores, whose two FMA units
+ * each run a 512-bit FMA whole, the peak doubles and so does what the tile can reach.
  */
 #ifndef TANDEM_QUANT_GEMM_AVX512_H
 #define TANDEM_QUANT_GEMM_AVX512_H
@@ -162,6 +165,63 @@ INLINE TGT5 void gemv_rows16(const Args *a, const uint8_t *panel, int64_t n0, co
     }
 }
 #undef GEMV_TILE16
+
+/* GEMM: rows of x per tile over one or two dequantised panels. 12 rows x 32 columns
+ * is 24 accumulators, two panel loads and twelve broadcasts (in the FMAs' memory
+ * operands) a k for 24 FMAs: the loads stay under the two FMA units' rate. */
+#define MR5 12
+
+/* y[m0 .. m0 + mr][n0 .. n0 + 16 np) = x[m0 .. m0 + mr] @ (b0 | b1), b0 and b1 two
+ * dequantised panels [K][16] (np = 1: b0 alone); one FMA chain per element over k in
+ * order from zero, then the bias, as the AVX2 tile: the same result to the bit. */
+INLINE TGT5 void gemm_tile16(const Args *a, const float *b0, const float *b1, int64_t n0, int64_t m0,
+                             const int mr, const int np) {
+    const __m512 z = _mm512_setzero_ps();
+    __m512 c[MR5][2];
+    for (int r = 0; r < MR5; r++) c[r][0] = z, c[r][1] = z;
+    const int64_t ldx = a->ldx;
+    const float *x0 = a->x + m0 * ldx;
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < a->K; k++) {
+        const __m512 w0 = _mm512_loadu_ps(b0 + k * NR), w1 = np == 2 ? _mm512_loadu_ps(b1 + k * NR) : z;
+        for (int r = 0; r < mr; r++) {
+            const __m512 xv = B16(x0 + r * ldx + k);
+            c[r][0] = _mm512_fmadd_ps(xv, w0, c[r][0]);
+            if (np == 2) c[r][1] = _mm512_fmadd_ps(xv, w1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        store_row16(a, m0 + r, n0, c[r][0]);
+        if (np == 2) store_row16(a, m0 + r, n0 + NR, c[r][1]);
+    }
+}
+
+#define GEMM_TILE16(mr) \
+    (np == 2 ? gemm_tile16(a, b0, b1, n0, m, mr, 2) : gemm_tile16(a, b0, b1, n0, m, mr, 1))
+
+/* Rows [m0, m1) against one or two dequantised panels, in near-equal tiles of up to 12. */
+static TGT5 void gemm_panels_avx512(const Args *a, const float *b0, const float *b1, int64_t n0,
+                                    int64_t m0, int64_t m1, const int np) {
+    const int64_t rows = m1 - m0, tiles = (rows + MR5 - 1) / MR5;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t m = m0 + rows * t / tiles;
+        switch (m0 + rows * (t + 1) / tiles - m) {
+            case 12: GEMM_TILE16(12); break;
+            case 11: GEMM_TILE16(11); break;
+            case 10: GEMM_TILE16(10); break;
+            case 9: GEMM_TILE16(9); break;
+            case 8: GEMM_TILE16(8); break;
+            case 7: GEMM_TILE16(7); break;
+            case 6: GEMM_TILE16(6); break;
+            case 5: GEMM_TILE16(5); break;
+            case 4: GEMM_TILE16(4); break;
+            case 3: GEMM_TILE16(3); break;
+            case 2: GEMM_TILE16(2); break;
+            default: GEMM_TILE16(1); break;
+        }
+    }
+}
+#undef GEMM_TILE16
 
 static TGT5 void gemv_panel_avx512(const Args *a, int64_t p) {
     const uint8_t *panel = a->w + p * a->pbytes;
