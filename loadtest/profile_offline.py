@@ -63,8 +63,8 @@ class Timers:
 def _linear_label(vocab: int) -> Callable[..., tuple[str, float]]:
     def label(x, weight, bias=None):
         m, n, k = x.shape[0], weight.n, x.shape[-1]
-        kind = ("lm head" if n == vocab else "GEMV (M <= 24)" if m <= 24
-                else "GEMV (M <= 128)" if m <= 128 else "GEMM (M > 128)")
+        kind = ("lm head" if n == vocab else "M <= 8" if m <= 8 else "M <= 40" if m <= 40
+                else "M <= 128" if m <= 128 else "M > 128")  # the paths' bounds, quant_gemm.c
         return f"quant {kind}", 2.0 * m * n * k
     return label
 

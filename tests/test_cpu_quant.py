@@ -149,8 +149,8 @@ def test_linear_matches_torch(fmt: QuantFormat, k: int, isa: str) -> None:
     assert (packed.fmt, packed.n, packed.k) == (fmt, n, k) and packed.nbytes == packed.data.numel()
     g = torch.Generator().manual_seed(k + 1)
     b, dense = torch.randn(n, generator=g), w.dequantize().double()
-    # every GEMV tile of both vector paths, both sides of QG_GEMV_MAX and QG_GEMV_MAX16
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 23, 24, 25, 64, 100, 128, 129):
+    # every GEMV tile of both vector paths, both sides of QG_GEMV_MAX and QG_GEMV_MAX16(_WIDE)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 23, 24, 25, 40, 41, 64, 100, 128, 129):
         x = torch.randn(m, k, generator=g)
         want = x.double() @ dense.T
         assert_matches(cpu_quant.linear(x, packed, num_threads=1), want.float())

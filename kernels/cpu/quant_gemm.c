@@ -39,6 +39,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define QG_X86 1
 #define TGT __attribute__((target("avx2,fma,f16c")))
@@ -58,8 +59,18 @@
  * 1.2-1.3x dequantise + GEMM at M 12-16, 1.05-1.1x at 20-24, even at 32. */
 #define QG_GEMV_MAX 24
 #endif
+/* The same for the AVX-512 path (see quant_gemm_avx512.h), by how the core runs a 512-bit
+ * FMA. Split in two 256-bit halves (Zen 4): these tiles beat dequantise + GEMM up to 128
+ * rows. Whole, on two units (Intel's server cores; AMD from Zen 5): the GEMM's peak
+ * doubles and it wins from ~40 rows (one thread, SmolLM2's products, an Emerald Rapids
+ * Xeon: 32 rows 119 against 110-115 GFLOP/s, 48 rows 125 against 130, 64 rows 125
+ * against 134). A rule on the CPU's identity, not a timing, so a machine always takes
+ * the same path for the same M and its outputs do not depend on a measurement. */
 #ifndef QG_GEMV_MAX16
-#define QG_GEMV_MAX16 128 /* the same for the AVX-512 path (see quant_gemm_avx512.h) */
+#define QG_GEMV_MAX16 128
+#endif
+#ifndef QG_GEMV_MAX16_WIDE
+#define QG_GEMV_MAX16_WIDE 40
 #endif
 #ifndef QG_VNNI_MAX
 #define QG_VNNI_MAX 8 /* largest M of the integer GEMV (quant_gemm_vnni.h), block formats */
@@ -226,9 +237,33 @@ static void digits_free(Digits *dg) {
  * through a micro-kernel (AVX2 or plain C). */
 typedef enum { GEMV_VNNI, GEMV_AVX512, GEMV_AVX2, GEMM_AVX512, GEMM_AVX2, GEMM_C } Path;
 
+/* Whether the CPU runs a 512-bit FMA whole (see QG_GEMV_MAX16): Intel's AVX-512 cores
+ * and AMD's from family 0x1A (Zen 5); Zen 4 (0x19) splits it. */
+static int whole_512bit_fma(void) {
+#if QG_X86
+    static int whole = -1;
+    if (whole < 0) {
+        unsigned a, b, c, d;
+        char vendor[13] = {0};
+        whole = 0;
+        if (__get_cpuid(0, &a, &b, &c, &d)) {
+            memcpy(vendor, &b, 4), memcpy(vendor + 4, &d, 4), memcpy(vendor + 8, &c, 4);
+            if (__get_cpuid(1, &a, &b, &c, &d)) {
+                const unsigned family = ((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (a >> 20) & 0xff : 0);
+                whole = !strcmp(vendor, "GenuineIntel") || (!strcmp(vendor, "AuthenticAMD") && family >= 0x1a);
+            }
+        }
+    }
+    return whole;
+#else
+    return 0;
+#endif
+}
+
 static Path choose_path(int isa, int fmt, int64_t M) {
     if (isa == ISA_VNNI && fmt != INT8_ROW && M <= QG_VNNI_MAX) return GEMV_VNNI;
-    if (isa >= ISA_AVX512) return M <= QG_GEMV_MAX16 ? GEMV_AVX512 : GEMM_AVX512;
+    if (isa >= ISA_AVX512)
+        return M <= (whole_512bit_fma() ? QG_GEMV_MAX16_WIDE : QG_GEMV_MAX16) ? GEMV_AVX512 : GEMM_AVX512;
     if (isa >= ISA_AVX2) return M <= QG_GEMV_MAX ? GEMV_AVX2 : GEMM_AVX2;
     return GEMM_C;
 }
@@ -246,12 +281,13 @@ static void run_panels(const Args *a, const Digits *dg, int64_t p0, int64_t p1, 
     for (int64_t m0 = 0; m0 < a->M; m0 += QG_MC) {
         const int64_t m1 = a->M - m0 < QG_MC ? a->M : m0 + QG_MC;
 #if QG_X86
+        float *b1 = buf + a->K * NR, *xp = b1 + a->K * NR;
+        if (path == GEMM_AVX512 && p0 < p1) gemm_pack_x(a, m0, m1, xp);
         for (int64_t p = p0; path == GEMM_AVX512 && p < p1; p += 2) { /* panels in pairs */
             const int np = p + 1 < p1 ? 2 : 1;
-            float *b1 = buf + a->K * NR;
             dequant_panel_avx2(a, a->w + p * a->pbytes, buf);
             if (np == 2) dequant_panel_avx2(a, a->w + (p + 1) * a->pbytes, b1);
-            gemm_panels_avx512(a, buf, b1, p * NR, m0, m1, np);
+            gemm_panels_avx512(a, xp, buf, b1, p * NR, m0, m1, np);
         }
         if (path == GEMM_AVX512) continue;
 #endif
@@ -334,7 +370,8 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
         const int64_t t = 0, T = 1;
 #endif
         const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
-        float *buf = gemv ? NULL : malloc((size_t)(2 * K * NR + 16) * sizeof(float)); /* two panels */
+        /* two dequantised panels, then (AVX-512) a block of x, k-major */
+        float *buf = gemv ? NULL : malloc((size_t)((2 * NR + QG_MC) * K + 16) * sizeof(float));
         if (!gemv && !buf) rc = -3;
         else if (p0 < p1) run_panels(&a, &dg, p0, p1, path, buf);
         free(buf);

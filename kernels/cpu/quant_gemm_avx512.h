@@ -168,24 +168,39 @@ INLINE TGT5 void gemv_rows16(const Args *a, const uint8_t *panel, int64_t n0, co
 
 /* GEMM: rows of x per tile over one or two dequantised panels. 12 rows x 32 columns
  * is 24 accumulators, two panel loads and twelve broadcasts (in the FMAs' memory
- * operands) a k for 24 FMAs: the loads stay under the two FMA units' rate. */
+ * operands) a k for 24 FMAs: the loads stay under the two FMA units' rate. The tile's
+ * rows of x are first copied k-major ([K][mr], gemm_pack_x), so its twelve broadcasts
+ * a k come from one cache line or two instead of twelve rows far apart (rows 6 KB
+ * apart, as K = 1536's, fall into the same few L1 sets). */
 #define MR5 12
 
-/* y[m0 .. m0 + mr][n0 .. n0 + 16 np) = x[m0 .. m0 + mr] @ (b0 | b1), b0 and b1 two
- * dequantised panels [K][16] (np = 1: b0 alone); one FMA chain per element over k in
- * order from zero, then the bias, as the AVX2 tile: the same result to the bit. */
-INLINE TGT5 void gemm_tile16(const Args *a, const float *b0, const float *b1, int64_t n0, int64_t m0,
-                             const int mr, const int np) {
+/* The rows of each tile of [m0, m1) (tiles as gemm_panels_avx512 splits them), k-major,
+ * one tile after another into xp (m1 - m0 rows of K floats). */
+static TGT5 void gemm_pack_x(const Args *a, int64_t m0, int64_t m1, float *xp) {
+    const int64_t rows = m1 - m0, tiles = (rows + MR5 - 1) / MR5;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t m = m0 + rows * t / tiles, mr = m0 + rows * (t + 1) / tiles - m;
+        for (int64_t r = 0; r < mr; r++) {
+            const float *x = a->x + (m + r) * a->ldx;
+            for (int64_t k = 0; k < a->K; k++) xp[k * mr + r] = x[k];
+        }
+        xp += mr * a->K;
+    }
+}
+
+/* y[m0 .. m0 + mr][n0 .. n0 + 16 np) = xp @ (b0 | b1), xp the tile's rows [K][mr], b0
+ * and b1 two dequantised panels [K][16] (np = 1: b0 alone); one FMA chain per element
+ * over k in order from zero, then the bias, as the AVX2 tile: the same result to the bit. */
+INLINE TGT5 void gemm_tile16(const Args *a, const float *xp, const float *b0, const float *b1, int64_t n0,
+                             int64_t m0, const int mr, const int np) {
     const __m512 z = _mm512_setzero_ps();
     __m512 c[MR5][2];
     for (int r = 0; r < MR5; r++) c[r][0] = z, c[r][1] = z;
-    const int64_t ldx = a->ldx;
-    const float *x0 = a->x + m0 * ldx;
 #pragma GCC unroll 2
     for (int64_t k = 0; k < a->K; k++) {
         const __m512 w0 = _mm512_loadu_ps(b0 + k * NR), w1 = np == 2 ? _mm512_loadu_ps(b1 + k * NR) : z;
         for (int r = 0; r < mr; r++) {
-            const __m512 xv = B16(x0 + r * ldx + k);
+            const __m512 xv = B16(xp + k * mr + r);
             c[r][0] = _mm512_fmadd_ps(xv, w0, c[r][0]);
             if (np == 2) c[r][1] = _mm512_fmadd_ps(xv, w1, c[r][1]);
         }
@@ -197,15 +212,16 @@ INLINE TGT5 void gemm_tile16(const Args *a, const float *b0, const float *b1, in
 }
 
 #define GEMM_TILE16(mr) \
-    (np == 2 ? gemm_tile16(a, b0, b1, n0, m, mr, 2) : gemm_tile16(a, b0, b1, n0, m, mr, 1))
+    (np == 2 ? gemm_tile16(a, xp, b0, b1, n0, m, mr, 2) : gemm_tile16(a, xp, b0, b1, n0, m, mr, 1))
 
-/* Rows [m0, m1) against one or two dequantised panels, in near-equal tiles of up to 12. */
-static TGT5 void gemm_panels_avx512(const Args *a, const float *b0, const float *b1, int64_t n0,
-                                    int64_t m0, int64_t m1, const int np) {
+/* Rows [m0, m1) (xp: their tiles from gemm_pack_x) against one or two dequantised
+ * panels, in near-equal tiles of up to 12. */
+static TGT5 void gemm_panels_avx512(const Args *a, const float *xp, const float *b0, const float *b1,
+                                    int64_t n0, int64_t m0, int64_t m1, const int np) {
     const int64_t rows = m1 - m0, tiles = (rows + MR5 - 1) / MR5;
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t m = m0 + rows * t / tiles;
-        switch (m0 + rows * (t + 1) / tiles - m) {
+        const int64_t m = m0 + rows * t / tiles, mr = m0 + rows * (t + 1) / tiles - m;
+        switch (mr) {
             case 12: GEMM_TILE16(12); break;
             case 11: GEMM_TILE16(11); break;
             case 10: GEMM_TILE16(10); break;
@@ -219,6 +235,7 @@ static TGT5 void gemm_panels_avx512(const Args *a, const float *b0, const float 
             case 2: GEMM_TILE16(2); break;
             default: GEMM_TILE16(1); break;
         }
+        xp += mr * a->K;
     }
 }
 #undef GEMM_TILE16
