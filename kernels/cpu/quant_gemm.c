@@ -276,26 +276,26 @@ static Path choose_path(int isa, int fmt, int64_t M) {
 }
 
 /* One thread's panels [p0, p1) on `path`. */
-static void run_panels(const Args *a, const Digits *dg, int64_t p0, int64_t p1, Path path, float *buf) {
+static void run_panels(const Args *a, const Digits *dg, int64_t p0, int64_t p1, Path path, float *buf,
+                       const float *xp) {
 #if QG_X86
     for (int64_t p = p0; path == GEMV_VNNI && p < p1; p++) gemv_panel_vnni(a, dg, p);
     for (int64_t p = p0; path == GEMV_AVX512 && p < p1; p++) gemv_panel_avx512(a, p);
     for (int64_t p = p0; path == GEMV_AVX2 && p < p1; p++) gemv_panel_avx2(a, p);
 #else
-    (void)dg;
+    (void)dg, (void)xp;
 #endif
     if (path != GEMM_AVX512 && path != GEMM_AVX2 && path != GEMM_C) return;
     const int64_t mc = path == GEMM_AVX512 ? QG_MC5 : QG_MC;
     for (int64_t m0 = 0; m0 < a->M; m0 += mc) {
         const int64_t m1 = a->M - m0 < mc ? a->M : m0 + mc;
 #if QG_X86
-        float *b1 = buf + a->K * NR, *xp = b1 + a->K * NR;
-        if (path == GEMM_AVX512 && p0 < p1) gemm_pack_x(a, m0, m1, xp);
+        float *b1 = buf + a->K * NR;
         for (int64_t p = p0; path == GEMM_AVX512 && p < p1; p += 2) { /* panels in pairs */
             const int np = p + 1 < p1 ? 2 : 1;
             dequant_panel_avx2(a, a->w + p * a->pbytes, buf);
             if (np == 2) dequant_panel_avx2(a, a->w + (p + 1) * a->pbytes, b1);
-            gemm_panels_avx512(a, xp, buf, b1, p * NR, m0, m1, np);
+            gemm_panels_avx512(a, xp + m0 * a->K, buf, b1, p * NR, m0, m1, np);
         }
         if (path == GEMM_AVX512) continue;
 #endif
@@ -369,6 +369,11 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
     const int64_t P = num_panels(N);
     int64_t threads = num_threads < 1 ? 1 : num_threads;
     if (threads > P / 2) threads = P / 2 > 1 ? P / 2 : 1;
+    float *xp = NULL; /* the AVX-512 GEMM's copy of x (gemm_pack_x), shared */
+    if (path == GEMM_AVX512 && !(xp = malloc((size_t)(M * K) * sizeof(float)))) {
+        digits_free(&dg);
+        return -3;
+    }
     int rc = 0;
 #pragma omp parallel num_threads((int)threads) reduction(| : rc)
     {
@@ -378,12 +383,18 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
         const int64_t t = 0, T = 1;
 #endif
         const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
-        /* two dequantised panels, then (AVX-512) a block of x, k-major */
-        float *buf = gemv ? NULL : malloc((size_t)((2 * NR + QG_MC5) * K + 16) * sizeof(float));
+#if QG_X86
+        if (xp) {
+            gemm_pack_x(&a, QG_MC5, xp, t, T);
+#pragma omp barrier
+        }
+#endif
+        float *buf = gemv ? NULL : malloc((size_t)(2 * K * NR + 16) * sizeof(float)); /* two panels */
         if (!gemv && !buf) rc = -3;
-        else if (p0 < p1) run_panels(&a, &dg, p0, p1, path, buf);
+        else if (p0 < p1) run_panels(&a, &dg, p0, p1, path, buf, xp);
         free(buf);
     }
+    free(xp);
     free(sx);
     digits_free(&dg);
     return rc;
