@@ -293,8 +293,8 @@ static void run_panels(const Args *a, const Digits *dg, int64_t p0, int64_t p1, 
         float *b1 = buf + a->K * NR;
         for (int64_t p = p0; path == GEMM_AVX512 && p < p1; p += 2) { /* panels in pairs */
             const int np = p + 1 < p1 ? 2 : 1;
-            dequant_panel_avx2(a, a->w + p * a->pbytes, buf);
-            if (np == 2) dequant_panel_avx2(a, a->w + (p + 1) * a->pbytes, b1);
+            dequant_panel_avx512(a, a->w + p * a->pbytes, buf);
+            if (np == 2) dequant_panel_avx512(a, a->w + (p + 1) * a->pbytes, b1);
             gemm_panels_avx512(a, xp + m0 * a->K, buf, b1, p * NR, m0, m1, np);
         }
         if (path == GEMM_AVX512) continue;

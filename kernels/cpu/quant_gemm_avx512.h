@@ -166,6 +166,39 @@ INLINE TGT5 void gemv_rows16(const Args *a, const uint8_t *panel, int64_t n0, co
 }
 #undef GEMV_TILE16
 
+/* A panel dequantised into buf [K][16], as dequant_panel_avx2 does it (the same
+ * operations lane for lane, so the same floats) sixteen lanes at a time. */
+static TGT5 void dequant_panel_avx512(const Args *a, const uint8_t *panel, float *buf) {
+    const int fmt = a->fmt;
+    if (fmt == INT8_ROW) {
+        dequant_panel_avx2(a, panel, buf);
+        return;
+    }
+    const __m512i mask = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    for (int64_t b = 0; b < a->K / QK; b++) {
+        const uint8_t *blk = panel + b * block_bytes(fmt), *q = blk + quant_offset(fmt);
+        const __m512 d = h16v(blk);
+        float *o = buf + b * QK * NR;
+        if (fmt == Q8_0) {
+            for (int k = 0; k < QK; k++) _mm512_storeu_ps(o + k * NR, _mm512_mul_ps(s16v(q + k * NR), d));
+            continue;
+        }
+        const __m512 mn = fmt == Q4_1 ? h16v(blk + 32) : _mm512_setzero_ps();
+        for (int i = 0; i < QK / 2; i++) { /* byte row i: weights i (low) and i + 16 (high) */
+            const __m512i v = u16v(q + i * NR);
+            __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_srli_epi32(v, 4);
+            if (fmt == Q4_0) {
+                lo = _mm512_sub_epi32(lo, eight), hi = _mm512_sub_epi32(hi, eight);
+                _mm512_storeu_ps(o + i * NR, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
+                _mm512_storeu_ps(o + (i + 16) * NR, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
+            } else {
+                _mm512_storeu_ps(o + i * NR, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), mn));
+                _mm512_storeu_ps(o + (i + 16) * NR, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), mn));
+            }
+        }
+    }
+}
+
 /* GEMM: rows of x per tile over one or two dequantised panels. 12 rows x 32 columns
  * is 24 accumulators, two panel loads and twelve broadcasts (in the FMAs' memory
  * operands) a k for 24 FMAs: the loads stay under the two FMA units' rate. The tile's
