@@ -370,7 +370,7 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
     int64_t threads = num_threads < 1 ? 1 : num_threads;
     if (threads > P / 2) threads = P / 2 > 1 ? P / 2 : 1;
     float *xp = NULL; /* the AVX-512 GEMM's copy of x (gemm_pack_x), shared */
-    if (path == GEMM_AVX512 && !(xp = malloc((size_t)(M * K) * sizeof(float)))) {
+    if (path == GEMM_AVX512 && !(xp = malloc((size_t)(M * K + 1) * sizeof(float)))) { /* K may be 0 */
         digits_free(&dg);
         return -3;
     }
