@@ -14,10 +14,12 @@
  * (QG_GEMV_MAX16). Tried and dropped: building floats from small integers by OR-ing them
  * into 2^23's bits and subtracting (no faster than the conversion).
  *
- * Above QG_GEMV_MAX16 rows, the GEMM: pairs of dequantised panels under 12 x 32 tiles
- * (gemm_tile16). On Zen 4 it is level with the AVX2 6 x 16 tile (195 against 198
- * GFLOP/s: both at the same FMA peak); on Intel's server cores, whose two FMA units
- * each run a 512-bit FMA whole, the peak doubles and so does what the tile can reach.
+ * Above those rows (QG_GEMV_MAX16, or QG_GEMV_MAX16_WIDE where the core runs a 512-bit
+ * FMA whole), the GEMM: pairs of dequantised panels under 12 x 32 tiles (gemm_tile16).
+ * On Zen 4 such a tile was level with the AVX2 6 x 16 one (195 against 198 GFLOP/s, both
+ * at the same FMA peak; measured 2026-12-05, before the copy of x and the 192-row
+ * blocks); on Intel's server cores, whose two FMA units each run a 512-bit FMA whole,
+ * the peak doubles and so does what the tile can reach.
  */
 #ifndef TANDEM_QUANT_GEMM_AVX512_H
 #define TANDEM_QUANT_GEMM_AVX512_H
