@@ -202,7 +202,9 @@ PROMPTS = [list(range(200 + 37 * i, 230 + 37 * i)) for i in range(4)]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, smollm2_dir) -> Iterator[Cluster]:
     model = write_tiny_model(tmp_path_factory.mktemp("tiny-drain"), smollm2_dir)
-    extra = ("--num-kv-blocks", "256", "--drain-timeout", "20")
+    # The heartbeat timeout outlasts the decode worker's pause in the last test (nothing
+    # here kills a worker: each one leaves by draining, and says so).
+    extra = ("--num-kv-blocks", "256", "--drain-timeout", "20", "--heartbeat-timeout", "60")
     # One worker of each role, the cheapest cluster that still covers P/D: while either is
     # away, requests wait in the router's queue for its successor.
     with Cluster(str(model), prefill=1, decode=1, extra=extra, supervise=True) as c:
@@ -284,23 +286,29 @@ def test_a_rolling_restart_of_every_worker_under_load_loses_no_request(cluster: 
 def test_a_draining_gateway_refuses_new_requests_and_finishes_its_open_stream(cluster: Cluster):
     """Last in this module: the gateway does not come back."""
     c = cluster
-    # Long enough (600 tokens: seconds on a CPU) to be still streaming while the
-    # gateway is told to stop and asked for more.
-    body = {"prompt": PROMPTS[0], "max_tokens": 600, "temperature": 0, "ignore_eos": True,
+    # The decode worker is paused (SIGSTOP) once the stream has begun, so the stream is
+    # still open, however fast the machine, while the gateway is told to stop and asked
+    # for more; it resumes after.
+    body = {"prompt": PROMPTS[0], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    gateway = c.child("gateway")
+    gateway, [decode] = c.child("gateway"), c.workers("decode")
     events: list[str] = []
     with httpx.stream("POST", f"{c.url}/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         events.append(next(line for line in lines if line.startswith("data: ")))  # it streams
-        c.local.retiring.add("gateway")  # the supervisor must not bring it back
-        gateway.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=10).status_code == 503,
-                 "the gateway to say it is draining")
-        assert httpx.get(f"{c.url}/health", timeout=10).json()["status"] == "draining"
-        refused = httpx.post(f"{c.url}/v1/completions", json={**body, "stream": False}, timeout=30)
-        assert refused.status_code == 503 and refused.json()["error"]["type"]
-        assert int(refused.headers["retry-after"]) >= 1
+        decode.proc.send_signal(signal.SIGSTOP)
+        try:
+            c.local.retiring.add("gateway")  # the supervisor must not bring it back
+            gateway.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: httpx.get(f"{c.url}/ready", timeout=10).status_code == 503,
+                     "the gateway to say it is draining")
+            assert httpx.get(f"{c.url}/health", timeout=10).json()["status"] == "draining"
+            refused = httpx.post(f"{c.url}/v1/completions", json={**body, "stream": False},
+                                 timeout=30)
+            assert refused.status_code == 503 and refused.json()["error"]["type"]
+            assert int(refused.headers["retry-after"]) >= 1
+        finally:
+            decode.proc.send_signal(signal.SIGCONT)
         events += [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]
