@@ -109,8 +109,8 @@ INLINE TGT5 void gemv_tile16(const Args *g, const uint8_t *panel, int64_t n0, in
     __m512 acc[MR16] = {z, z, z, z, z, z, z, z};
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *blk = panel + b * bb;
-#if QG_PF
-        for (int64_t off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + QG_PF + off, _MM_HINT_T0);
+#if QG_PF512
+        for (int64_t off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + QG_PF512 + off, _MM_HINT_T0);
 #endif
         __m512 c[8] = {z, z, z, z, z, z, z, z};
         const float *xb[MR16];
@@ -135,9 +135,9 @@ INLINE TGT5 void gemv_tile16_int8(const Args *g, const uint8_t *panel, int64_t n
     const uint8_t *q = panel + 64;
     int64_t k = 0;
     for (; k + 8 <= g->K; k += 8) {
-#if QG_PF
-        _mm_prefetch((const char *)q + k * NR + QG_PF, _MM_HINT_T0);
-        _mm_prefetch((const char *)q + k * NR + QG_PF + 64, _MM_HINT_T0);
+#if QG_PF512
+        _mm_prefetch((const char *)q + k * NR + QG_PF512, _MM_HINT_T0);
+        _mm_prefetch((const char *)q + k * NR + QG_PF512 + 64, _MM_HINT_T0);
 #endif
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) FMA_TILE16(k + j, s16v(q + (k + j) * NR), j);

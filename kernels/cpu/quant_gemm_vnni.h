@@ -121,8 +121,8 @@ INLINE TGTV void vnni_tile(const Args *g, const Digits *dg, const uint8_t *panel
     __m512 acc[MRV] = {z, z, z, z};
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *blk = panel + b * bb, *q = blk + quant_offset(fmt);
-#if QG_PF
-        for (int64_t off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + QG_PF + off, _MM_HINT_T0);
+#if QG_PF512
+        for (int64_t off = 0; off < bb; off += 64) _mm_prefetch((const char *)blk + QG_PF512 + off, _MM_HINT_T0);
 #endif
         const int8_t *d[MRV];
         for (int r = 0; r < MRV; r++) d[r] = dg->dig + (row[r] * kb + b) * 3 * QK;
