@@ -286,10 +286,11 @@ def test_a_rolling_restart_of_every_worker_under_load_loses_no_request(cluster: 
 def test_a_draining_gateway_refuses_new_requests_and_finishes_its_open_stream(cluster: Cluster):
     """Last in this module: the gateway does not come back."""
     c = cluster
-    # The decode worker is paused (SIGSTOP) once the stream has begun, so the stream is
-    # still open, however fast the machine, while the gateway is told to stop and asked
-    # for more; it resumes after.
-    body = {"prompt": PROMPTS[0], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+    # The decode worker is paused (SIGSTOP) as soon as the stream has begun (600 tokens:
+    # far more than it makes in the moment that takes), so the stream is still open,
+    # however fast the machine, while the gateway is told to stop and asked for more; it
+    # resumes after.
+    body = {"prompt": PROMPTS[0], "max_tokens": 600, "temperature": 0, "ignore_eos": True,
             "stream": True}
     gateway, [decode] = c.child("gateway"), c.workers("decode")
     events: list[str] = []
