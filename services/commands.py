@@ -50,6 +50,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    default=env("heartbeat_timeout", default_of(R, "heartbeat_timeout"), float),
                    help="silence after which a worker is declared dead (at least two of the "
                         "workers' --heartbeat-interval)")
+    p.add_argument("--startup-grace", type=float,
+                   default=env("startup_grace", default_of(R, "startup_grace"), float),
+                   help="a router just started holds requests (no 503) until its first "
+                        "prefill-capable worker registers, at most this many seconds")
     add_disagg_flags(p)
     p.set_defaults(func=run_router)
 
@@ -159,7 +163,8 @@ def run_router(args: argparse.Namespace) -> int:
         bind=f"tcp://{args.host}:{args.port}", policy=args.policy,
         token_budget=args.prefill_token_budget,
         load_weight=args.load_weight, max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-        heartbeat_timeout=args.heartbeat_timeout, disagg=disagg_rule(args),
+        heartbeat_timeout=args.heartbeat_timeout, startup_grace=args.startup_grace,
+        disagg=disagg_rule(args),
         metrics_host=args.host, metrics_port=args.metrics_port)
 
     async def main() -> None:

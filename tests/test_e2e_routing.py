@@ -125,7 +125,8 @@ def test_killed_decode_worker_fails_the_stream_and_frees_prefill_blocks(guarded)
 def test_no_workers_means_503_with_retry_after(tiny_model_dir):
     router_port, gw_port = free_ports(2)
     py = [sys.executable, "-m", "cli"]
-    procs = [subprocess.Popen(py + ["router", "--port", str(router_port), "--metrics-port", "0"]),
+    procs = [subprocess.Popen(py + ["router", "--port", str(router_port), "--metrics-port", "0",
+                                    "--startup-grace", "0"]),
              subprocess.Popen(py + ["gateway", "--router", f"tcp://127.0.0.1:{router_port}",
                                     "--port", str(gw_port), "--model", str(tiny_model_dir)])]
     try:

@@ -17,6 +17,7 @@ from common.hashing import hash_prefix_blocks
 from common.protocol import (
     Abort,
     Admitted,
+    Deregister,
     Finished,
     Heartbeat,
     KVEvents,
@@ -1013,5 +1014,32 @@ def test_a_router_whose_workers_never_come_refuses_its_queue_after_the_grace(clo
         assert (refusal.request_id, refusal.status) == ("r1", 503)
         await gw.send(submit("r2"))
         assert (await gw.expect(Rejected)).status == 503
+
+    body()
+
+
+def test_a_router_holds_requests_for_decode_workers_alone_but_its_grace_ends_with_the_first_prefill_worker(clock):
+    """A fresh router holds requests while the workers load (a decode worker alone serves
+    none); once a prefill-capable worker has registered, the grace is over: with that
+    worker gone longer than the queue timeout, a request is refused at once."""
+    @serve(startup_grace=60.0, queue_timeout=5.0, clock=clock.monotonic)
+    async def body(c: Cluster):
+        gw = await c.gateway()
+        d = await c.worker("d1", "decode")
+        await c.status(d)
+        await gw.send(submit("r1"))
+        assert await gw.expect(Queued) == Queued("r1")  # a decode worker alone: still waiting
+        p = c.peer("p1")
+        await p.send(register("p1", "prefill"))
+        assert await p.expect(Registered) == Registered("p1")
+        assert (await p.expect(Task)).request_id == "r1"
+        assert await gw.expect(Admitted) == Admitted("r1")
+        await p.send(Deregister("p1"))  # it leaves, and r1 goes back to its gateway
+        failed = await gw.expect(Tokens)
+        assert failed.request_id == "r1" and failed.error
+        clock.now += 6.0  # past the queue timeout, well inside the 60 s grace
+        await gw.send(submit("r2"))
+        refusal = await gw.expect(Rejected)
+        assert (refusal.request_id, refusal.status) == ("r2", 503)
 
     body()

@@ -103,10 +103,11 @@ class RouterSettings:
     # late beat on a loaded machine is not a death, and a killed worker's requests move on
     # within a second.
     heartbeat_timeout: float = 1.0
-    # A router that has just started waits this long for workers before refusing requests
-    # for want of one: after a router restart the workers register again within a
-    # heartbeat or two.
-    startup_grace: float = 5.0
+    # A router that has just started holds requests (rather than a 503) until its first
+    # prefill-capable worker registers, for at most this long: on a fresh start the workers
+    # are still loading the model (5-8 s for SmolLM2 on 2 cores, minutes for a large one);
+    # after a router restart they register again within a heartbeat or two.
+    startup_grace: float = 60.0
     disagg: DisaggRule = field(default_factory=DisaggRule)  # where each prompt is prefilled
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
@@ -155,6 +156,7 @@ class RouterService:
         # Workers declared dead (their work was failed), with their role and when: while a
         # prefill-capable one is expected back, requests wait in the queue instead of a 503.
         self._started = clock()
+        self._had_prefill = False  # a prefill-capable worker has registered: the grace is over
         self._declared_dead: OrderedDict[str, tuple[WorkerRole, float]] = OrderedDict()
         self._unreleased: set[str] = set()  # draining workers not yet told ``Drained``
         self._serving = False  # the loop is reading the socket (``/ready``)
@@ -302,9 +304,10 @@ class RouterService:
     def _prefill_expected_back(self) -> bool:
         """A prefill-capable worker died within the queue timeout: a supervisor (tandem up,
         compose, Kubernetes) is likely restarting it, so queued requests may still be served.
-        Likewise just after this router started: if it is a restart, the workers register
-        again on their next heartbeat."""
-        if self._clock() - self._started < self.settings.startup_grace:
+        Likewise just after this router started, until its first prefill-capable worker
+        registers: on a fresh start the workers are loading the model; on a restart they
+        register again on their next heartbeat."""
+        if not self._had_prefill and self._clock() - self._started < self.settings.startup_grace:
             return True
         if any(w.can_prefill for w in self.registry.draining_workers()):
             return True  # draining: most likely being replaced (a rolling restart)
@@ -343,6 +346,7 @@ class RouterService:
                         "--heartbeat-interval %g", msg.worker_id, self.settings.heartbeat_timeout,
                         msg.heartbeat_interval)
         self.registry.register(msg, self._clock())
+        self._had_prefill = self._had_prefill or msg.role.can_prefill
         self._unreleased.discard(msg.worker_id)  # a fresh record: draining again only if it says so
         await self._send(identity, Registered(msg.worker_id))
         self.index.drop_worker(msg.worker_id)
