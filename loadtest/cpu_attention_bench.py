@@ -1,6 +1,6 @@
 """Microbenchmark of CPU paged decode attention: fused C kernel vs torch paths.
 
-For B=64 sequences, H=9 query heads, KVH=3 kv heads, head_dim 64, block 16, fp32, it
+For B=64 sequences (``--batch``), H=9 query heads, KVH=3 kv heads, head_dim 64, block 16, fp32, it
 prints per-call milliseconds of
 
 * ``c kernel``: ``kernels.cpu_attention.paged_decode_attention``,
@@ -13,7 +13,7 @@ different layer of a multi-layer cache, so K/V come from DRAM as in a real decod
 ("cold"); the "hot" column repeats one layer, whose K/V may then sit in the L3 cache.
 Medians are printed, with the minimum beside them (the machine may be shared).
 
-    python loadtest/cpu_attention_bench.py [--threads 2] [--contexts 320 1024]
+    python loadtest/cpu_attention_bench.py [--threads 2] [--contexts 320 1024] [--batch 64]
 """
 
 from __future__ import annotations
@@ -111,11 +111,14 @@ def bench(ctx: int, threads: int, reps: int) -> None:
 
 
 def main() -> None:
+    global B
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contexts", type=int, nargs="+", default=[320, 1024])
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=B, help="sequences per call (1: a batch-1 step)")
     args = ap.parse_args()
+    B = args.batch
     if not cpu_attention.available():
         sys.exit(f"C kernel unavailable: {cpu_attention.unavailable_reason()}")
     torch.set_num_threads(args.threads)
