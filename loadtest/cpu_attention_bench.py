@@ -29,11 +29,11 @@ import torch.nn.functional as F
 
 from kernels import cpu_attention, cpu_memory
 
-B, H, KVH, D, BS = 64, 9, 3, 64, 16
+BATCH, H, KVH, D, BS = 64, 9, 3, 64, 16  # BATCH: the default of --batch
 COLD_BYTES = 256 << 20  # K/V bytes spread over the layers: well past any L3
 
 
-def make_cache(ctx: int, layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_cache(B: int, ctx: int, layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A [NB, layers, 2, BS, KVH, D] cache, shuffled block tables, lengths all ``ctx``."""
     per_seq = -(-ctx // BS)
     num_blocks = B * per_seq
@@ -45,6 +45,7 @@ def make_cache(ctx: int, layers: int) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def torch_paged(q, k_cache, v_cache, tables, lens, scale, mask) -> torch.Tensor:
     """Batched torch path: gather all blocks, SDPA over [B, KVH, G, D] queries."""
+    B = q.shape[0]
     t = tables.shape[1] * BS
     k = k_cache.index_select(0, tables.flatten().long()).view(B, t, KVH, D).transpose(1, 2)
     v = v_cache.index_select(0, tables.flatten().long()).view(B, t, KVH, D).transpose(1, 2)
@@ -55,6 +56,7 @@ def torch_paged(q, k_cache, v_cache, tables, lens, scale, mask) -> torch.Tensor:
 
 def ideal(q, k, v, scale) -> torch.Tensor:
     """Contiguous K/V [B, KVH, T, D]: matmul, softmax, matmul."""
+    B = q.shape[0]
     qg = q.view(B, KVH, H // KVH, D)
     p = torch.softmax(torch.matmul(qg, k.transpose(2, 3)) * scale, dim=-1)
     return torch.matmul(p, v).reshape(B, H, D)
@@ -72,10 +74,10 @@ def time_ms(fn: Callable[[int], object], layers: int, cold: bool, reps: int) -> 
     return statistics.median(samples) * 1e3, min(samples) * 1e3
 
 
-def bench(ctx: int, threads: int, reps: int) -> None:
+def bench(B: int, ctx: int, threads: int, reps: int) -> None:
     layer_bytes = B * ctx * KVH * D * 4 * 2
     layers = max(2, -(-COLD_BYTES // layer_bytes))
-    kv, tables, lens = make_cache(ctx, layers)
+    kv, tables, lens = make_cache(B, ctx, layers)
     scale = D**-0.5
     q = torch.randn(B, H, D)
     out = torch.empty_like(q)
@@ -111,21 +113,19 @@ def bench(ctx: int, threads: int, reps: int) -> None:
 
 
 def main() -> None:
-    global B
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contexts", type=int, nargs="+", default=[320, 1024])
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--batch", type=int, default=B, help="sequences per call (1: a batch-1 step)")
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences per call (1: a batch-1 step)")
     args = ap.parse_args()
-    B = args.batch
     if not cpu_attention.available():
         sys.exit(f"C kernel unavailable: {cpu_attention.unavailable_reason()}")
     torch.set_num_threads(args.threads)
-    print(f"B={B} H={H} KVH={KVH} D={D} block={BS} fp32, {args.threads} threads")
+    print(f"B={args.batch} H={H} KVH={KVH} D={D} block={BS} fp32, {args.threads} threads")
     with torch.inference_mode():
         for ctx in args.contexts:
-            bench(ctx, args.threads, args.reps)
+            bench(args.batch, ctx, args.threads, args.reps)
 
 
 if __name__ == "__main__":
