@@ -83,8 +83,9 @@ def format_code(fmt: QuantFormat) -> int:
 
 
 # The kernel's instruction sets, each a superset of the last ("avx512vnni": AVX-512 with
-# VNNI and VBMI, for the integer GEMV of block formats).
-ISAS = ("portable", "avx2", "avx512", "avx512vnni")
+# VNNI and VBMI, for the integer GEMV of block formats; "amx": that and AMX-BF16, granted
+# by the kernel, for the GEMM of block formats above the GEMV's sizes).
+ISAS = ("portable", "avx2", "avx512", "avx512vnni", "amx")
 
 
 def set_isa(cap: str | None) -> None:
@@ -96,8 +97,8 @@ def set_isa(cap: str | None) -> None:
 
 
 def isa() -> str:
-    """The instructions ``linear`` uses now: ``"avx512vnni"``, ``"avx512"`` (AVX-512
-    F/BW/VL/DQ), ``"avx2"`` (AVX2+FMA+F16C) or ``"portable"``."""
+    """The instructions ``linear`` uses now: ``"amx"``, ``"avx512vnni"``, ``"avx512"``
+    (AVX-512 F/BW/VL/DQ), ``"avx2"`` (AVX2+FMA+F16C) or ``"portable"``."""
     return ISAS[_loader.require(None).isa()]
 
 

@@ -195,7 +195,7 @@ def test_isa_names_the_path() -> None:
 
 def vnni_or_skip() -> None:
     cpu_quant.set_isa(None)
-    if cpu_quant.isa() != "avx512vnni":
+    if cpu_quant.isa() not in ("avx512vnni", "amx"):  # AMX CPUs run it too, for decode
         pytest.skip("this CPU lacks AVX-512 VNNI + VBMI: no integer GEMV to test")
 
 
@@ -270,6 +270,72 @@ def test_avx512_gemm_equals_the_avx2_gemm_to_the_bit(fmt: QuantFormat) -> None:
     for (_, m, threads), y in got.items():
         assert torch.equal(y, got["avx2", m, threads]), (m, threads)
     assert_matches(got["avx512", 300, 2], reference(x, w, b))
+
+
+def amx_or_skip() -> None:
+    cpu_quant.set_isa(None)
+    if cpu_quant.isa() != "amx":
+        pytest.skip("this CPU (or its kernel) gives no AMX-BF16: no tile GEMM to test")
+
+
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+def test_amx_gemm_is_exact_on_small_integers_at_every_shape(fmt: QuantFormat) -> None:
+    """The tile GEMM pads x to passes of 32 rows and runs pairs of panels: rows past M,
+    a lone panel at the end of a thread's share, a partial panel and bias must not leak
+    into y. Small integers keep every sum exact, so y equals float64's bit for bit."""
+    amx_or_skip()
+    g = torch.Generator().manual_seed(19)
+    w = small_integer_weight(fmt, 16 * 4 + 5, 96, g)  # 5 panels: 3 + 2 on two threads
+    packed, b = cpu_quant.pack(w), torch.randint(-8, 8, (w.n,), generator=g).float()
+    for m in (41, 63, 64, 65, 100, 129, 160):
+        x = torch.randint(-8, 8, (m, w.k + 3), generator=g).float()[:, 1 : 1 + w.k]  # strided
+        for threads in (1, 2, 3):
+            assert torch.equal(cpu_quant.linear(x, packed, b, num_threads=threads), reference(x, w, b)), (m, threads)
+
+
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+def test_amx_gemm_is_as_accurate_as_float32(fmt: QuantFormat) -> None:
+    """x goes to the tile unit as three bf16 parts that sum to it exactly, the weights as
+    their integer codes (exact in bf16): whatever the spread of x (outliers, tiny values,
+    zero blocks), every output is within float32 summation error of the exact product,
+    no further from it than the float paths' (the GEMM's, or the GEMV's, whose per-block
+    d*t + m*sum(x) it shares)."""
+    amx_or_skip()
+    g = torch.Generator().manual_seed(21)
+    w = quantized(fmt, 80, 576, seed=22)
+    packed, dense = cpu_quant.pack(w), w.dequantize().double()
+    x = torch.randn(70, 576, generator=g)
+    x[0, 3] = 3e4  # an outlier beside values 1e4 times smaller
+    x[1] *= 1e-30  # tiny: its parts stay normal floats
+    x[2, 32:64] = 0.0  # an all-zero block
+    x[3, ::7] = -x[3, ::7] * 1e-6
+    got = cpu_quant.linear(x, packed, num_threads=2).double()
+    cpu_quant.set_isa("avx512")
+    try:
+        gemm = cpu_quant.linear(x, packed, num_threads=2).double()
+        gemv = torch.cat([cpu_quant.linear(x[i : i + 8], packed).double() for i in range(0, 70, 8)])
+    finally:
+        cpu_quant.set_isa(None)
+    want = x.double() @ dense.T
+    scale = x.double().abs() @ dense.abs().T  # what float32 sums round against
+    err = lambda y: float(((y - want).abs() / scale).max())  # noqa: E731
+    assert err(got) <= 2.0**-17 and err(got) <= max(err(gemm), err(gemv)), (err(got), err(gemm), err(gemv))
+
+
+def test_amx_gemm_leaves_non_finite_x_to_the_float_path() -> None:
+    amx_or_skip()
+    w = quantized(QuantFormat.Q4_1, 48, 64, seed=23)
+    packed = cpu_quant.pack(w)
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(24))
+    x[0, 5], x[33, 40] = float("nan"), float("inf")
+    got = cpu_quant.linear(x, packed)
+    cpu_quant.set_isa("avx512")
+    try:
+        want = cpu_quant.linear(x, packed)
+    finally:
+        cpu_quant.set_isa(None)
+    assert bool(got.isnan().any()) and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
 
 
 @pytest.mark.parametrize("k", [1, 7, 45])

@@ -111,8 +111,8 @@ typedef struct {
 
 /* Instruction sets, each a superset of the last; the best allowed (quant_set_isa): the
  * CPU's own best unless capped lower. */
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VNNI = 3 };
-static int isa_cap = ISA_VNNI;
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VNNI = 3, ISA_AMX = 4 };
+static int isa_cap = ISA_AMX;
 
 INLINE int64_t num_panels(int64_t N) { return (N + NR - 1) / NR; }
 INLINE int64_t block_bytes(int fmt) { return fmt == Q8_0 ? 544 : fmt == Q4_0 ? 288 : 320; }
@@ -248,11 +248,12 @@ static void digits_free(Digits *dg) {
 #include "quant_gemm_avx2.h"
 #include "quant_gemm_avx512.h"
 #include "quant_gemm_vnni.h"
+#include "quant_gemm_amx.h"
 #endif
 
 /* How one call multiplies: GEMV tiles (integer, AVX-512 or AVX2), or dequantised panels
  * through a micro-kernel (AVX2 or plain C). */
-typedef enum { GEMV_VNNI, GEMV_AVX512, GEMV_AVX2, GEMM_AVX512, GEMM_AVX2, GEMM_C } Path;
+typedef enum { GEMV_VNNI, GEMV_AVX512, GEMV_AVX2, GEMM_AMX, GEMM_AVX512, GEMM_AVX2, GEMM_C } Path;
 
 /* Whether the CPU runs a 512-bit FMA whole (see QG_GEMV_MAX16): Intel's AVX-512 cores
  * and AMD's from family 0x1A (Zen 5); Zen 4 (0x19) splits it. */
@@ -278,7 +279,8 @@ static int whole_512bit_fma(void) {
 }
 
 static Path choose_path(int isa, int fmt, int64_t M) {
-    if (isa == ISA_VNNI && fmt != INT8_ROW && M <= QG_VNNI_MAX) return GEMV_VNNI;
+    if (isa >= ISA_VNNI && fmt != INT8_ROW && M <= QG_VNNI_MAX) return GEMV_VNNI;
+    if (isa == ISA_AMX && fmt != INT8_ROW && M > QG_GEMV_MAX16_WIDE) return GEMM_AMX;
     if (isa >= ISA_AVX512)
         return M <= (whole_512bit_fma() ? QG_GEMV_MAX16_WIDE : QG_GEMV_MAX16) ? GEMV_AVX512 : GEMM_AVX512;
     if (isa >= ISA_AVX2) return M <= QG_GEMV_MAX ? GEMV_AVX2 : GEMM_AVX2;
@@ -335,7 +337,7 @@ static int cpu_isa(void) {
         const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
         const int vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
-        have = !avx2 ? ISA_PORTABLE : !avx512 ? ISA_AVX2 : vnni ? ISA_VNNI : ISA_AVX512;
+        have = !avx2 ? ISA_PORTABLE : !avx512 ? ISA_AVX2 : !vnni ? ISA_AVX512 : amx_usable() ? ISA_AMX : ISA_VNNI;
     }
     return have;
 #else
@@ -359,6 +361,48 @@ static float *block_sums(const Args *a) {
     return sx;
 }
 
+#if QG_X86
+/* The AMX GEMM (quant_gemm_amx.h): x split into bf16 parts by all threads, then each
+ * thread its panels. 1 (nothing written) where x is not finite: the caller goes on. */
+static int amx_linear(const Args *a, int num_threads) {
+    const int64_t Mp = (a->M + MT_A - 1) / MT_A * MT_A, K = a->K, kb = K / QK, P = num_panels(a->N);
+    int64_t threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > (P + 1) / 2) threads = (P + 1) / 2;
+    uint16_t *xa = aligned_alloc(64, (size_t)(3 * Mp * K * 2 + 64));
+    float *sx = a->fmt == Q4_1 ? aligned_alloc(64, (size_t)(Mp * kb * 4 + 64)) : NULL;
+    if (!xa || (a->fmt == Q4_1 && !sx)) return free(xa), free(sx), -3;
+    int bad = 0, rc = 0;
+#pragma omp parallel num_threads((int)threads) reduction(| : bad)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        const int64_t t = 0, T = 1;
+#endif
+        bad |= amx_split_x(a, Mp, xa, sx, t, T) != 0;
+    }
+    if (!bad) {
+#pragma omp parallel num_threads((int)threads) reduction(| : rc)
+        {
+#ifdef _OPENMP
+            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+            const int64_t t = 0, T = 1;
+#endif
+            /* whole pairs of panels per thread, so that no thread runs one alone */
+            const int64_t pairs = (P + 1) / 2, p0 = 2 * (pairs * t / T), p1 = 2 * (pairs * (t + 1) / T);
+            uint16_t *bm = aligned_alloc(64, (size_t)(kb * 2048 + 64));
+            float *scratch = aligned_alloc(64, (size_t)(2 * 32 * 32 * 4));
+            if (!bm || !scratch) rc = -3;
+            else if (p0 < P) gemm_panels_amx(a, xa, sx, Mp, p0, p1 < P ? p1 : P, bm, scratch, scratch + 32 * 32);
+            free(bm), free(scratch);
+        }
+    }
+    free(xa), free(sx);
+    return bad ? 1 : rc;
+}
+#endif
+
 int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const float *bias,
                  float *y, long ldy, long M, long N, long K, int num_threads) {
     if (!valid(fmt, N, K) || M < 0 || ldx < K || ldy < N) return -1;
@@ -368,6 +412,11 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
     Digits dg = {NULL, NULL, NULL};
 #if QG_X86
     if (path == GEMV_VNNI && digits_make(&a, &dg) != 0) path = choose_path(ISA_AVX512, fmt, M);
+    if (path == GEMM_AMX) {
+        const int rc = amx_linear(&a, num_threads);
+        if (rc != 1) return rc;
+        path = choose_path(ISA_AVX512, fmt, M); /* x is not finite: the float path */
+    }
 #endif
     const int gemv = path == GEMV_VNNI || path == GEMV_AVX512 || path == GEMV_AVX2;
     float *sx = NULL;
@@ -411,8 +460,8 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
 }
 
 /* Caps the instructions quant_linear may use: 0 portable C, 1 AVX2, 2 AVX-512, 3 AVX-512
- * VNNI (the default: the CPU's best). Process-wide; for tests and benchmarks. */
-void quant_set_isa(int cap) { isa_cap = cap < ISA_PORTABLE ? ISA_PORTABLE : cap > ISA_VNNI ? ISA_VNNI : cap; }
+ * VNNI, 4 AMX (the default: the CPU's best). Process-wide; for tests and benchmarks. */
+void quant_set_isa(int cap) { isa_cap = cap < ISA_PORTABLE ? ISA_PORTABLE : cap > ISA_AMX ? ISA_AMX : cap; }
 
 /* The instructions quant_linear uses now, numbered as quant_set_isa's cap. */
 int quant_isa(void) { return use_isa(); }
