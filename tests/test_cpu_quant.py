@@ -149,8 +149,9 @@ def test_linear_matches_torch(fmt: QuantFormat, k: int, isa: str) -> None:
     assert (packed.fmt, packed.n, packed.k) == (fmt, n, k) and packed.nbytes == packed.data.numel()
     g = torch.Generator().manual_seed(k + 1)
     b, dense = torch.randn(n, generator=g), w.dequantize().double()
-    # every GEMV tile of both vector paths, both sides of QG_GEMV_MAX and QG_GEMV_MAX16(_WIDE)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 23, 24, 25, 40, 41, 64, 100, 128, 129):
+    # every GEMV tile of both vector paths, both sides of QG_GEMV_MAX, QG_GEMV_MAX16(_WIDE)
+    # and QG_AMX_MIN
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 23, 24, 25, 40, 41, 64, 100, 128, 129):
         x = torch.randn(m, k, generator=g)
         want = x.double() @ dense.T
         assert_matches(cpu_quant.linear(x, packed, num_threads=1), want.float())
@@ -280,14 +281,15 @@ def amx_or_skip() -> None:
 
 @pytest.mark.parametrize("fmt", GGUF_FORMATS)
 def test_amx_gemm_is_exact_on_small_integers_at_every_shape(fmt: QuantFormat) -> None:
-    """The tile GEMM pads x to passes of 32 rows and runs pairs of panels: rows past M,
-    a lone panel at the end of a thread's share, a partial panel and bias must not leak
-    into y. Small integers keep every sum exact, so y equals float64's bit for bit."""
+    """The tile GEMM pads x to 16-row tiles, runs passes of two tiles (the last may have
+    one) over pairs of panels, in blocks of 128 rows: rows past M, a lone panel at the end
+    of a thread's share, a partial panel and bias must not leak into y. Small integers
+    keep every sum exact, so y equals float64's bit for bit."""
     amx_or_skip()
     g = torch.Generator().manual_seed(19)
     w = small_integer_weight(fmt, 16 * 4 + 5, 96, g)  # 5 panels: 3 + 2 on two threads
     packed, b = cpu_quant.pack(w), torch.randint(-8, 8, (w.n,), generator=g).float()
-    for m in (41, 63, 64, 65, 100, 129, 160):
+    for m in (12, 16, 17, 33, 48, 63, 64, 65, 129, 160, 300):
         x = torch.randint(-8, 8, (m, w.k + 3), generator=g).float()[:, 1 : 1 + w.k]  # strided
         for threads in (1, 2, 3):
             assert torch.equal(cpu_quant.linear(x, packed, b, num_threads=threads), reference(x, w, b)), (m, threads)

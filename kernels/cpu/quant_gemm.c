@@ -75,6 +75,12 @@
 #ifndef QG_VNNI_MAX
 #define QG_VNNI_MAX 8 /* largest M of the integer GEMV (quant_gemm_vnni.h), block formats */
 #endif
+#ifndef QG_AMX_MIN
+/* Smallest M of the AMX GEMM (quant_gemm_amx.h), block formats, where the CPU has it: it
+ * pads x to 16-row tiles, and beats the GEMVs from about 12 rows (SmolLM2's products, 2
+ * threads, a Xeon with AMX, 2026-12-07: 9 rows 0.95x, 12 1.3x, 16-32 1.5x, 40 1.25x). */
+#define QG_AMX_MIN 12
+#endif
 #ifndef QG_MC
 #define QG_MC 96 /* rows of x per block of the panel GEMM */
 #endif
@@ -280,7 +286,7 @@ static int whole_512bit_fma(void) {
 
 static Path choose_path(int isa, int fmt, int64_t M) {
     if (isa >= ISA_VNNI && fmt != INT8_ROW && M <= QG_VNNI_MAX) return GEMV_VNNI;
-    if (isa == ISA_AMX && fmt != INT8_ROW && M > QG_GEMV_MAX16_WIDE) return GEMM_AMX;
+    if (isa == ISA_AMX && fmt != INT8_ROW && M >= QG_AMX_MIN) return GEMM_AMX;
     if (isa >= ISA_AVX512)
         return M <= (whole_512bit_fma() ? QG_GEMV_MAX16_WIDE : QG_GEMV_MAX16) ? GEMV_AVX512 : GEMM_AVX512;
     if (isa >= ISA_AVX2) return M <= QG_GEMV_MAX ? GEMV_AVX2 : GEMM_AVX2;
@@ -365,7 +371,7 @@ static float *block_sums(const Args *a) {
 /* The AMX GEMM (quant_gemm_amx.h): x split into bf16 parts by all threads, then each
  * thread its panels. 1 (nothing written) where x is not finite: the caller goes on. */
 static int amx_linear(const Args *a, int num_threads) {
-    const int64_t Mp = (a->M + MT_A - 1) / MT_A * MT_A, K = a->K, kb = K / QK, P = num_panels(a->N);
+    const int64_t Mp = (a->M + 15) / 16 * 16, K = a->K, kb = K / QK, P = num_panels(a->N);
     int64_t threads = num_threads < 1 ? 1 : num_threads;
     if (threads > (P + 1) / 2) threads = (P + 1) / 2;
     uint16_t *xa = aligned_alloc(64, (size_t)(3 * Mp * K * 2 + 64));

@@ -40,7 +40,7 @@
 #define TGTA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,amx-tile,amx-bf16")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define MT_A 32 /* rows of x per pass: two m-tiles (xa is padded to a multiple) */
+#define MT_A 32 /* rows of x per pass: two m-tiles (the last may have one: xa is padded to 16s) */
 #ifndef QG_MCA
 #define QG_MCA 128 /* rows of x per block of the AMX GEMM (its parts stay in L2) */
 #endif
@@ -150,50 +150,47 @@ INLINE TGTA void amx_fold(float *acc, int64_t lda, const float *c, __m512 d, __m
 #define AMX_PART(g)                                                                  \
     do {                                                                             \
         _tile_loadd(4, a0 + (g) * Mp * K, 2 * K);                                    \
-        _tile_loadd(5, a0 + (g) * Mp * K + 16 * K, 2 * K);                           \
         _tile_dpbf16ps(0, 4, 6);                                                     \
-        _tile_dpbf16ps(2, 5, 6);                                                     \
-        if (np == 2) {                                                               \
-            _tile_dpbf16ps(1, 4, 7);                                                 \
-            _tile_dpbf16ps(3, 5, 7);                                                 \
+        if (np == 2) _tile_dpbf16ps(1, 4, 7);                                        \
+        if (mt == 2) {                                                               \
+            _tile_loadd(5, a0 + (g) * Mp * K + 16 * K, 2 * K);                       \
+            _tile_dpbf16ps(2, 5, 6);                                                 \
+            if (np == 2) _tile_dpbf16ps(3, 5, 7);                                    \
         }                                                                            \
     } while (0)
 
-/* y rows [m, m + 32) (those below M) x panels p, p + np - 1. */
+/* y rows [m, m + 16 mt) (those below M) x panels p, p + np - 1. */
 INLINE TGTA void amx_pass(const Args *a, const uint16_t *xa, const float *sx, int64_t Mp, int64_t m,
                           const uint8_t *panel0, const uint16_t *b0, const uint16_t *b1, int64_t n0,
-                          const int np, const int fmt, float *acc, float *cb) {
+                          const int mt, const int np, const int fmt, float *acc, float *cb) {
     const int64_t K = a->K, kb = K / QK, bb = block_bytes(fmt), pb = a->pbytes;
     const int q41 = fmt == Q4_1;
     memset(acc, 0, 32 * 32 * sizeof(float));
     for (int64_t b = 0; b < kb; b++) {
         const uint16_t *a0 = xa + m * K + b * QK;
         _tile_zero(0);
-        _tile_zero(2);
-        if (np == 2) {
-            _tile_zero(1);
-            _tile_zero(3);
-        }
+        if (np == 2) _tile_zero(1);
+        if (mt == 2) _tile_zero(2);
+        if (mt == 2 && np == 2) _tile_zero(3);
         _tile_loadd(6, b0 + b * 512, 64);
         if (np == 2) _tile_loadd(7, b1 + b * 512, 64);
         AMX_PART(0);
         AMX_PART(1);
         AMX_PART(2);
         _tile_stored(0, cb, 64);
-        _tile_stored(2, cb + 512, 64);
-        if (np == 2) {
-            _tile_stored(1, cb + 256, 64);
-            _tile_stored(3, cb + 768, 64);
-        }
+        if (np == 2) _tile_stored(1, cb + 256, 64);
+        if (mt == 2) _tile_stored(2, cb + 512, 64);
+        if (mt == 2 && np == 2) _tile_stored(3, cb + 768, 64);
         for (int j = 0; j < np; j++) {
             const uint8_t *blk = panel0 + j * pb + b * bb;
             const __m512 d = h16v(blk), e = q41 ? h16v(blk + 32) : _mm512_setzero_ps();
             const float *s = sx ? sx + m * kb + b : NULL;
             amx_fold(acc + 16 * j, 32, cb + 256 * j, d, e, s, kb, q41);
-            amx_fold(acc + 16 * 32 + 16 * j, 32, cb + 512 + 256 * j, d, e, s ? s + 16 * kb : NULL, kb, q41);
+            if (mt == 2)
+                amx_fold(acc + 16 * 32 + 16 * j, 32, cb + 512 + 256 * j, d, e, s ? s + 16 * kb : NULL, kb, q41);
         }
     }
-    for (int64_t r = 0; r < MT_A && m + r < a->M; r++)
+    for (int64_t r = 0; r < 16 * mt && m + r < a->M; r++)
         for (int j = 0; j < np; j++)
             if (n0 + NR * j < a->N) store_row16(a, m + r, n0 + NR * j, _mm512_load_ps(acc + r * 32 + 16 * j));
 }
@@ -215,10 +212,11 @@ static TGTA void gemm_panels_amx(const Args *a, const uint16_t *xa, const float 
             amx_codes(a, panel, bm);
             if (np == 2) amx_codes(a, panel + a->pbytes, b1);
             for (int64_t m = m0; m < m1; m += MT_A) {
-                if (np == 2)
-                    amx_pass(a, xa, sx, Mp, m, panel, bm, b1, p * NR, 2, fmt, acc, cb);
-                else
-                    amx_pass(a, xa, sx, Mp, m, panel, bm, b1, p * NR, 1, fmt, acc, cb);
+                const int mt = m1 - m >= MT_A ? 2 : 1;
+                if (mt == 2 && np == 2) amx_pass(a, xa, sx, Mp, m, panel, bm, b1, p * NR, 2, 2, fmt, acc, cb);
+                else if (mt == 2) amx_pass(a, xa, sx, Mp, m, panel, bm, b1, p * NR, 2, 1, fmt, acc, cb);
+                else if (np == 2) amx_pass(a, xa, sx, Mp, m, panel, bm, b1, p * NR, 1, 2, fmt, acc, cb);
+                else amx_pass(a, xa, sx, Mp, m, panel, bm, b1, p * NR, 1, 1, fmt, acc, cb);
             }
         }
     }
