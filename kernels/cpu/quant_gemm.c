@@ -25,7 +25,10 @@
  * what makes verifying a speculative draft cheap).
  * Larger M: per panel, dequantise it into a float32 [K][16] buffer once (L1/L2), then a
  * 6 x 16 FMA micro-kernel sweeps every row of the M block over it (as packed_gemm.c);
- * with AVX-512, two panels at a time under a 12 x 32 tile (quant_gemm_avx512.h).
+ * with AVX-512, two panels at a time under a 12 x 32 tile (quant_gemm_avx512.h). Where the
+ * CPU has AMX-BF16 and the kernel grants it, block formats from QG_AMX_MIN rows run on the
+ * tile unit instead (quant_gemm_amx.h: the weights' integer codes and three exact bf16
+ * parts of x, so still float32 accuracy).
  *
  * Threads (OpenMP) split the panels. The AVX2/FMA/F16C code is compiled with target
  * attributes and chosen at run time, with an AVX-512 path beside it (quant_gemm_avx512.h);
