@@ -617,6 +617,26 @@ async def test_a_resent_submit_is_answered_with_the_requests_state(c: Cluster):
 
 
 @serve()
+async def test_a_resend_that_arrives_after_its_request_ended_is_not_placed_again(c: Cluster):
+    """The gateway resends a Submit while it waits for the verdict; one that arrives after
+    the request already ran to its end is answered Admitted, not run a second time. From
+    another gateway the id is simply new."""
+    w = await c.worker("w1")
+    gw, other = await c.gateway(), await c.gateway()
+    await gw.send(submit("r1"))
+    await w.expect(Task)
+    await gw.expect(Admitted)
+    await w.send(Finished("r1", "w1", "request"))
+    await c.status(w)  # the Finished handled
+    assert c.service.requests == {}
+    await gw.send(submit("r1"))
+    assert await gw.expect(Admitted) == Admitted("r1")
+    await c.assert_quiet(w)  # no second Task
+    await other.send(submit("r1"))
+    assert (await w.expect(Task)).request_id == "r1"
+
+
+@serve()
 async def test_prompt_at_the_model_limit_is_rejected_400(c: Cluster):
     await c.worker("w1", max_model_len=16)
     gw = await c.gateway()

@@ -121,3 +121,31 @@ def test_a_request_the_dying_router_never_read_is_sent_again(model_dir):
         sender.join(120)
         assert answer and answer[0].status_code == 200, answer and answer[0].text
         assert answer[0].json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_request_queued_at_a_router_that_dies_is_served_by_the_next(model_dir):
+    """A request the router has queued (acknowledged ``Queued``: no decode worker to take
+    it) lives only in that router's memory. The gateway sends a queued request's Submit
+    again every few seconds, so when the router is killed the restarted one takes it as
+    new and serves it once a decode worker is back. The decode worker is frozen (SIGSTOP)
+    to keep the request queued; the admission timeout is far beyond the client's, so a
+    lost request would show as a client timeout."""
+    extra = ("--num-kv-blocks", "512", "--admission-timeout", "900", "--queue-timeout", "800")
+    with Cluster(str(model_dir), prefill=1, decode=1, extra=extra, supervise=True) as cluster:
+        assert complete(cluster, [1, 2, 3]).status_code == 200
+        router, [decode] = cluster.router, cluster.workers("decode")
+        decode.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: cluster.metric(router, "tandem:router_workers", role="decode") == 0,
+                     "the router to drop the frozen decode worker")
+            answer: list[httpx.Response] = []
+            sender = threading.Thread(target=lambda: answer.append(complete(cluster, [7, 8, 9])))
+            sender.start()
+            wait_for(lambda: cluster.metric(router, "tandem:router_queue_length") == 1,
+                     "the request to wait in the router's queue")
+            router.proc.send_signal(signal.SIGKILL)
+        finally:
+            decode.proc.send_signal(signal.SIGCONT)
+        sender.join(120)
+        assert answer and answer[0].status_code == 200, answer and answer[0].text
+        assert answer[0].json()["usage"]["completion_tokens"] == 4

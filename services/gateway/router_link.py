@@ -50,6 +50,11 @@ CONNECT_GRACE_MS = 1000  # how long a message waits for the router's connection 
 # then refused, instead of each waiting out another REACH_S of a long outage.
 ACK_S = 1.0
 REACH_S = 10.0
+# A request the router has queued (``Queued``) lives only in that router's memory: the
+# Submit is sent again every QUEUED_RESEND_S while it waits. A live router answers a
+# resend with the request's state (nothing changes there); a router restarted meanwhile
+# does not know it and takes it as new, so a router killed with a full queue loses none.
+QUEUED_RESEND_S = 2.0
 STATUS_REFRESH_S = 1.0  # while the workers' block size is unknown, ask at most this often
 
 
@@ -119,9 +124,9 @@ class RouterLink:
         self._admissions[request_id] = decided
         self._acks[request_id] = heard
         try:
-            await self._deliver(Submit.of(request_id, prompt, params, self.reply_to,
-                                          self._block_size()), heard)
-            verdict = await asyncio.wait_for(decided, timeout)
+            submit = Submit.of(request_id, prompt, params, self.reply_to, self._block_size())
+            await self._deliver(submit, heard)
+            verdict = await self._verdict(submit, decided, timeout)
         except RouterUnavailable:
             self.release(request_id)
             raise
@@ -195,6 +200,20 @@ class RouterLink:
         None while the router is reachable."""
         since = self._unreachable_since
         return None if since is None else self._clock() - since
+
+    async def _verdict(self, submit: Submit, decided: asyncio.Future[Message], timeout: float) -> Message:
+        """The router's Admitted or Rejected for an acknowledged ``submit``, sending it again
+        every QUEUED_RESEND_S meanwhile (see there); TimeoutError after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(decided), min(left, QUEUED_RESEND_S))
+            with contextlib.suppress(RouterUnavailable):  # away: the deadline still holds
+                await self._send(submit, grace_ms=0)
 
     async def _deliver(self, submit: Submit, heard: asyncio.Future[None]) -> None:
         """Send ``submit`` until the router acknowledges it (see ACK_S and REACH_S)."""

@@ -88,6 +88,7 @@ from services.router.registry import Registry, WorkerInfo
 log = logging.getLogger("tandem.router")
 NO_PREFILL = Refusal(503, "no prefill worker is available", 2.0)
 RECV_BATCH = 256  # messages handled between two turns of the event loop
+ENDED_KEPT = 16384  # ended request ids remembered (seconds of them at thousands a second)
 MESSAGE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 0.1, 1.0)
 
 
@@ -159,6 +160,10 @@ class RouterService:
         self._had_prefill = False  # a prefill-capable worker has registered: the grace is over
         self._declared_dead: OrderedDict[str, tuple[WorkerRole, float]] = OrderedDict()
         self._unreleased: set[str] = set()  # draining workers not yet told ``Drained``
+        # Requests that ended here lately, by id → their gateway: a Submit the gateway sends
+        # again while it waits for its verdict (it resends a queued one) may arrive after
+        # the request ran and ended, and must be answered, not placed a second time.
+        self._ended: OrderedDict[str, bytes] = OrderedDict()
         self._serving = False  # the loop is reading the socket (``/ready``)
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
@@ -275,6 +280,9 @@ class RouterService:
             return
         if known is not None:
             await self._send(identity, Rejected(msg.request_id, 400, "duplicate request id"))
+            return
+        if self._ended.get(msg.request_id) == identity:  # a late resend of one that ran
+            await self._send(identity, Admitted(msg.request_id))
             return
         routed = Routed(msg, identity, self._clock())
         problem = self._unservable(msg)
@@ -400,7 +408,10 @@ class RouterService:
         if msg.stage is FinishStage.PREFILL and not msg.error:
             self.ledger.prefill_done(msg.request_id)
         else:
-            self.requests.pop(msg.request_id, None)
+            routed = self.requests.pop(msg.request_id)
+            self._ended[msg.request_id] = routed.gateway
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
             holders = self.ledger.release(msg.request_id)
             if msg.error:
                 for worker_id in holders - {msg.worker_id}:
