@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.addresses import free_ports
@@ -182,6 +183,9 @@ def _cpu_for(name: str, i: int, n: int, total: int, cpus: list[int]) -> int:
     return cpus[n % len(cpus)]
 
 
+STARTUP_RESPAWNS = 2  # times a child killed by a signal while starting is started again
+
+
 class StartupError(RuntimeError):
     """A child exited, or not every child was healthy in time, during ``start``."""
 
@@ -207,7 +211,7 @@ class LocalCluster:
         try:
             for child in self.children:
                 _spawn(child)
-            _wait_healthy(self.children, stop or threading.Event(), timeout)
+            _wait_healthy(self.children, stop or threading.Event(), timeout, respawn=self.respawn)
         except BaseException:
             self.stop()
             raise
@@ -320,14 +324,25 @@ def _say(name: str, line: str) -> None:
 
 
 def _wait_healthy(children: list[Child], stop: threading.Event, timeout: float,
-                  ready: bool = False) -> None:
-    """Until every child answers 200 on ``/health`` (``ready``: on ``/ready``)."""
+                  ready: bool = False, respawn: Callable[[Child], bool] | None = None) -> None:
+    """Until every child answers 200 on ``/health`` (``ready``: on ``/ready``). A child
+    that exits first is a ``StartupError`` (bad flags, a model that does not load), except,
+    with ``respawn``, one killed by a signal (the OOM killer, a stray ``kill -9``): that is
+    no fault of its own, so it is started again, up to STARTUP_RESPAWNS times."""
     deadline = time.monotonic() + timeout
     pending = list(children)
+    respawned: dict[str, int] = {}
     while pending:
         for child in list(pending):
             if child.proc.poll() is not None:
-                raise StartupError(f"{child.name} failed to start (status {child.proc.returncode})")
+                status, again = child.proc.returncode, respawned.get(child.name, 0)
+                if respawn is not None and status < 0 and again < STARTUP_RESPAWNS:
+                    respawned[child.name] = again + 1
+                    _say("launcher", f"{child.name} was killed by signal {-status} while starting: "
+                                     "starting it again")
+                    if respawn(child):
+                        continue
+                raise StartupError(f"{child.name} failed to start (status {status})")
             if _healthy(child.ready_url if ready else child.health_url):
                 pending.remove(child)
         if not pending:

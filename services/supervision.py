@@ -6,7 +6,8 @@ restart does) did not crash: it is left to whoever asked.
 Two pieces: ``RestartPolicy``, the backoff table (time and counts only, clock injected, so
 its sequence is tested in-process), and ``Supervisor``, the loop that watches a started
 ``LocalCluster``, asks the policy how long to wait, restarts and reports. A crash during
-startup is not its business: ``LocalCluster.start`` still turns it into ``StartupError``.
+startup is not its business: ``LocalCluster.start`` turns it into ``StartupError``, except
+a child killed by a signal there, which it starts again (twice at most).
 """
 
 from __future__ import annotations

@@ -158,6 +158,42 @@ def test_a_child_that_exits_during_start_is_a_startup_error():
     assert cluster.exited() == [router]
 
 
+def _child_killed_on_its_first_starts(tmp_path, kills: int) -> launcher.Child:
+    """A child that SIGKILLs itself on its first ``kills`` starts, then serves /health."""
+    port = free_port()
+    script = (
+        "import http.server, os, pathlib, signal\n"
+        f"marks = pathlib.Path({str(tmp_path)!r})\n"
+        f"starts = len(list(marks.glob('start-*'))); (marks / f'start-{{starts}}').touch()\n"
+        f"if starts < {kills}: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    return launcher.Child("decode-0", [sys.executable, "-c", script], f"http://127.0.0.1:{port}/health")
+
+
+def test_a_child_killed_by_a_signal_while_starting_is_started_again(tmp_path):
+    """An OOM kill or a stray kill -9 during the model load is no fault of the child's: the
+    cluster still comes up (a non-zero exit, as above, stays fatal)."""
+    child = _child_killed_on_its_first_starts(tmp_path, kills=launcher.STARTUP_RESPAWNS)
+    cluster = launcher.LocalCluster([child])
+    try:
+        cluster.start(timeout=60)
+        assert len(list(tmp_path.glob("start-*"))) == launcher.STARTUP_RESPAWNS + 1
+        assert cluster.healthy(child)
+    finally:
+        cluster.stop()
+
+
+def test_a_child_killed_at_every_start_is_a_startup_error(tmp_path):
+    child = _child_killed_on_its_first_starts(tmp_path, kills=launcher.STARTUP_RESPAWNS + 1)
+    cluster = launcher.LocalCluster([child])
+    with pytest.raises(launcher.StartupError, match="decode-0 failed to start .status -9"):
+        cluster.start(timeout=60)
+    assert len(list(tmp_path.glob("start-*"))) == launcher.STARTUP_RESPAWNS + 1
+
+
 # ---- the ports a plan hands out ------------------------------------------------------
 
 def _ports_of(child: launcher.Child) -> list[int]:
