@@ -833,6 +833,24 @@ def test_a_silent_worker_fails_its_requests_back_to_the_gateway(clock):
     body()
 
 
+def test_a_burst_of_heartbeats_from_an_unknown_worker_gets_one_reregister(clock):
+    """A restarted router reads at once the heartbeats a worker sent while it was down:
+    one Reregister for all of them (each Register after the first would read as the
+    worker restarting and fail its requests); another once a second has passed unheard."""
+    @serve(clock=clock.monotonic)
+    async def body(c: Cluster):
+        w = c.peer("w9")
+        for _ in range(4):
+            await w.send(Heartbeat("w9", 0, 0, 100, 100))
+        assert await w.expect(Reregister) == Reregister("w9", lost_work=False)
+        await c.assert_quiet(w)
+        clock.now += 1.0
+        await w.send(Heartbeat("w9", 0, 0, 100, 100))
+        assert await w.expect(Reregister) == Reregister("w9", lost_work=False)
+
+    body()
+
+
 def test_a_heartbeat_keeps_a_worker_past_the_timeout(clock):
     @serve(heartbeat_timeout=5.0, queue_timeout=6.0, clock=clock.monotonic)
     async def body(c: Cluster):

@@ -89,6 +89,10 @@ log = logging.getLogger("tandem.router")
 NO_PREFILL = Refusal(503, "no prefill worker is available", 2.0)
 RECV_BATCH = 256  # messages handled between two turns of the event loop
 ENDED_KEPT = 16384  # ended request ids remembered (seconds of them at thousands a second)
+# An unknown worker's heartbeats are answered with ``Reregister`` at most this often: a
+# restarted router gets a burst of the beats buffered while it was down, and each
+# ``Register`` after the first would read as the worker restarting (its requests failed).
+REREGISTER_EVERY_S = 1.0
 MESSAGE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 0.1, 1.0)
 
 
@@ -164,6 +168,7 @@ class RouterService:
         # again while it waits for its verdict (it resends a queued one) may arrive after
         # the request ran and ended, and must be answered, not placed a second time.
         self._ended: OrderedDict[str, bytes] = OrderedDict()
+        self._asked: OrderedDict[str, float] = OrderedDict()  # unknown worker → last Reregister
         self._serving = False  # the loop is reading the socket (``/ready``)
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
@@ -346,6 +351,7 @@ class RouterService:
 
     async def _on_register(self, identity: bytes, msg: Register) -> None:
         self._declared_dead.pop(msg.worker_id, None)
+        self._asked.pop(msg.worker_id, None)
         old = self.registry.remove(msg.worker_id)
         if old is not None:  # a restart: whatever it held is gone
             await self._worker_gone(old)
@@ -367,6 +373,12 @@ class RouterService:
         if self.registry.heartbeat(msg, self._clock()) is not None:
             await self._drain_queue()
         else:  # declared dead earlier (its requests are failed already), or we are new
+            now = self._clock()
+            if now - self._asked.get(msg.worker_id, now - REREGISTER_EVERY_S) < REREGISTER_EVERY_S:
+                return  # asked already: its Register is on the way
+            self._asked[msg.worker_id] = now
+            while len(self._asked) > 4096:
+                self._asked.popitem(last=False)
             lost = msg.worker_id in self._declared_dead
             await self._send(msg.worker_id.encode(), Reregister(msg.worker_id, lost_work=lost))
 
