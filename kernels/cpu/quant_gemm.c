@@ -123,6 +123,22 @@ typedef struct {
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_VNNI = 3, ISA_AMX = 4 };
 static int isa_cap = ISA_AMX;
 
+/* This thread's number in its parallel region, and the region's thread count. */
+INLINE int64_t thread_num(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+INLINE int64_t num_threads_now(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 INLINE int64_t num_panels(int64_t N) { return (N + NR - 1) / NR; }
 INLINE int64_t block_bytes(int fmt) { return fmt == Q8_0 ? 544 : fmt == Q4_0 ? 288 : 320; }
 INLINE int64_t quant_offset(int fmt) { return fmt == Q4_1 ? 64 : 32; }
@@ -383,21 +399,13 @@ static int amx_linear(const Args *a, int num_threads) {
     int bad = 0, rc = 0;
 #pragma omp parallel num_threads((int)threads) reduction(| : bad)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        const int64_t t = 0, T = 1;
-#endif
+        const int64_t t = thread_num(), T = num_threads_now();
         bad |= amx_split_x(a, Mp, xa, sx, t, T) != 0;
     }
     if (!bad) {
 #pragma omp parallel num_threads((int)threads) reduction(| : rc)
         {
-#ifdef _OPENMP
-            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-            const int64_t t = 0, T = 1;
-#endif
+            const int64_t t = thread_num(), T = num_threads_now();
             /* whole pairs of panels per thread, so that no thread runs one alone */
             const int64_t pairs = (P + 1) / 2, p0 = 2 * (pairs * t / T), p1 = 2 * (pairs * (t + 1) / T);
             uint16_t *bm = aligned_alloc(64, (size_t)(kb * 2048 + 64));
@@ -445,11 +453,7 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
     int rc = 0;
 #pragma omp parallel num_threads((int)threads) reduction(| : rc)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-#else
-        const int64_t t = 0, T = 1;
-#endif
+        const int64_t t = thread_num(), T = num_threads_now();
         const int64_t p0 = P * t / T, p1 = P * (t + 1) / T;
 #if QG_X86
         if (xp) {
