@@ -72,6 +72,10 @@ log = logging.getLogger("tandem.worker")
 
 IDLE_WAIT_MS = 100  # an idle loop sleeps in poll(); any message wakes it at once
 IDLE_POLL_MS = 5  # for a receiver that cannot wake the poller (UCX's own thread)
+# Acks of outgoing transfers do not wake the poller either: with transfers out and nothing
+# to compute, the loop looks again this often (spinning took a core from the workers
+# beside it for as long as a lease, 40 s, when the receiver had died).
+ACK_POLL_MS = 1
 
 
 class WorkerService:
@@ -170,9 +174,9 @@ class WorkerService:
 
     def tick(self) -> None:
         """One turn of the loop (``run`` repeats it; tests drive it directly)."""
-        busy = self.engine.has_unfinished or self.num_arriving or len(self.outgoing)
-        if not busy:
-            self._poller.poll(IDLE_WAIT_MS if self._wakeable else IDLE_POLL_MS)
+        if not (self.engine.has_unfinished or self.num_arriving):
+            idle_ms = IDLE_WAIT_MS if self._wakeable else IDLE_POLL_MS
+            self._poller.poll(ACK_POLL_MS if len(self.outgoing) else idle_ms)
         self._read_control()
         if self.inbox is not None:
             self.inbox.take()
@@ -349,9 +353,12 @@ class WorkerService:
 
     @property
     def idle(self) -> bool:
-        """Nothing is left here: no request, no KV arriving, no transfer out in flight."""
+        """Nothing is left here: no request, no KV arriving, no transfer out in flight that
+        its request still wants. A cancelled one (its request aborted: the client left, or
+        its decode worker died) holds its blocks only against reuse, which leaving ends,
+        so a drain does not wait out the lease of a transfer to a dead receiver."""
         return not (len(self.clock) or self.engine.has_unfinished or self.num_arriving
-                    or len(self.outgoing))
+                    or self.outgoing.wanted)
 
     @property
     def left(self) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from common.connector import make_receiver
 from common.protocol import (
     Abort,
     Admitted,
@@ -190,6 +191,34 @@ def test_at_the_deadline_a_worker_hands_its_requests_over_as_retryable(tiny_mode
         assert done is not None and done.error
         h.assert_idle()
     finally:
+        h.close()
+
+
+def test_a_transfer_whose_receiver_died_does_not_hold_up_the_drain(tiny_model_dir):
+    """A prefill worker's KV went to a decode worker that died before acking it: the router
+    aborts the request, and the transfer is cancelled but keeps its blocks lent until its
+    lease ends (the transport may still read them). Leaving ends that too, so the drain
+    does not wait out the lease (40 s by default: ``tandem up`` took 30 s to stop after a
+    decode worker was killed)."""
+    h = Harness(tiny_model_dir, WorkerRole.PREFILL, lease_seconds=600.0, drain_timeout=600.0)
+    peer = make_receiver("zmq", "tcp://127.0.0.1:0")  # reads the transfer, never acks it
+    try:
+        wid = h.worker.s.worker_id
+        h.send(Registered(wid))
+        h.send(Task.of("r", PROMPT, SamplingParams(max_tokens=4, temperature=0.0), h.reply_to,
+                       handoff_addr=peer.address))
+        got: list = []
+        h.run_until(lambda: bool(got.extend(peer.poll(0)) or got))
+        h.send(Abort("r", "peer failed"))  # the router declared the decode worker dead
+        h.run_until(lambda: not h.worker.clock.get("r"))
+        assert len(h.worker.outgoing) == 1 and h.worker.outgoing.wanted == 0  # still lent
+        h.worker.request_drain()
+        h.run_until(lambda: any(isinstance(m, Draining) for m in h.from_worker))
+        h.send(Drained(wid))
+        h.run_until(lambda: deregistered(h))  # well before the lease or the drain deadline
+        assert h.worker.left and not h.errors("r")  # nothing handed over
+    finally:
+        peer.close()
         h.close()
 
 

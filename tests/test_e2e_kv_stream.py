@@ -56,7 +56,10 @@ def test_streamed_kv_serves_like_hf_and_a_dead_receiver_leaves_no_block_held(
         tiny_model_dir, cases, monkeypatch):
     ids, (long_prompt, long_out), (even_prompt, even_out) = cases
     monkeypatch.setenv("TANDEM_KV_FAULTS", FAULTS)  # the launcher's children inherit it
-    extra = ("--num-kv-blocks", "512", "--max-num-batched-tokens", str(CHUNK), "--lease-seconds", LEASE_S)
+    # A short queue and admission wait: after the kill, C's move waits that long for a decode
+    # worker before its 503 (30 s by default, most of this test's time).
+    extra = ("--num-kv-blocks", "512", "--max-num-batched-tokens", str(CHUNK), "--lease-seconds", LEASE_S,
+             "--queue-timeout", "3", "--admission-timeout", "4")
     with Cluster(str(tiny_model_dir), extra=extra) as c:
         [prefill], [decode] = c.workers("prefill"), c.workers("decode")
         for prompt, want in ((long_prompt, long_out), (even_prompt, even_out)):

@@ -81,7 +81,7 @@ def test_a_cancelled_transfer_keeps_its_blocks_lent_until_it_ends():
     out.open("a", "r1", 1)
     out.open("b", "r2", 1)
     assert out.cancel("r1") and not out.cancel("r9")
-    assert len(out) == 2  # still lent
+    assert len(out) == 2 and out.wanted == 1  # still lent, no longer wanted
     [a] = out.settle([KVAck("a", True)])
     assert (a.request_id, a.cancelled, a.retry) == ("r1", True, False)
     out.open("c", "r3", 1)

@@ -72,6 +72,12 @@ class OutgoingTransfers:
     def __len__(self) -> int:
         return len(self._leases)
 
+    @property
+    def wanted(self) -> int:
+        """Transfers in flight whose request still wants them: not cancelled. A cancelled
+        one only keeps its blocks from being reused until it ends."""
+        return len(self._leases) - len(self._cancelled)
+
     def open(self, transfer_id: str, request_id: str, nbytes: int, *, attempt: int = 1,
              resend: Any = None, addr: str | None = None) -> None:
         """A transfer was handed to the sender: its blocks are lent until it ends."""
