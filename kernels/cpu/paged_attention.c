@@ -892,33 +892,45 @@ static void prefill_item(const float *q, int64_t q_stride, const float *kt, cons
                 s[r][1] = _mm512_fmadd_ps(qv, k1, s[r][1]);
             }
         }
+        /* The online softmax of this tile. First each row's masked scores and their max;
+         * then the eight rows' new maxima and rescale factors at once (one exp8, lane r =
+         * row r; a libm call per row spilled every score register around it); then each
+         * row's probabilities, sixteen keys per exp. */
+        float mt[PF_ROWS];
+        for (int r = 0; r < PF_ROWS; r++) {
+            const int seen = r < nr ? prefix + r0 + r - j0 : -1; /* keys j0 .. j0 + seen are visible */
+            if (seen < 0) { /* none in this tile (or no such row): nothing changes for it */
+                mt[r] = -INFINITY;
+                continue;
+            }
+            const __m512i limit = _mm512_set1_epi32(seen);
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            s[r][0] = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(lane, limit), ninf, s[r][0]);
+            s[r][1] = _mm512_mask_blend_ps(
+                _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit), ninf, s[r][1]);
+            mt[r] = _mm512_reduce_max_ps(_mm512_max_ps(s[r][0], s[r][1]));
+        }
+        const __m256 m_old = _mm256_loadu_ps(m);
+        const __m256 m_new = _mm256_max_ps(m_old, _mm256_loadu_ps(mt));
+        /* exp(-inf) is 0 (a row's first keys); a row with no key yet keeps -inf - -inf = NaN
+         * out: it is skipped below and its factor never used */
+        float alpha[PF_ROWS], mn[PF_ROWS];
+        _mm256_storeu_ps(alpha, exp8(_mm256_sub_ps(m_old, m_new)));
+        _mm256_storeu_ps(mn, m_new);
         for (int r = 0; r < nr; r++) {
-            const int seen = prefix + r0 + r - j0; /* keys j0 .. j0 + seen are visible */
-            if (seen < 0) { /* none in this tile: nothing changes for the row */
+            if (mt[r] == -INFINITY) { /* nothing visible here: no weight, no change */
                 for (int j = 0; j < PF_KEYS; j++) pb[r][j] = 0.0f;
                 continue;
             }
-            const __m512 ninf = _mm512_set1_ps(-INFINITY);
-            const __m512i limit = _mm512_set1_epi32(seen);
-            const __m512 a = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(lane, limit), ninf, s[r][0]);
-            const __m512 b = _mm512_mask_blend_ps(
-                _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit), ninf, s[r][1]);
-            const float mt = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
-            const float mn = mt > m[r] ? mt : m[r];
-            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
-            const __m256 vm = _mm256_set1_ps(mn);
-            __m256 sum = _mm256_setzero_ps();
-            const __m256 parts[4] = {_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1),
-                                     _mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1)};
-            for (int h = 0; h < 4; h++) {
-                const __m256 e = exp8(_mm256_sub_ps(parts[h], vm));
-                _mm256_storeu_ps(pb[r] + 8 * h, e);
-                sum = _mm256_add_ps(sum, e);
-            }
-            l[r] = l[r] * alpha + hsum1(sum);
-            m[r] = mn;
-            if (alpha != 1.0f) {
-                const __m512 c = _mm512_set1_ps(alpha);
+            const __m512 vm = _mm512_set1_ps(mn[r]);
+            const __m512 e0 = exp16(_mm512_sub_ps(s[r][0], vm));
+            const __m512 e1 = exp16(_mm512_sub_ps(s[r][1], vm));
+            _mm512_storeu_ps(pb[r], e0);
+            _mm512_storeu_ps(pb[r] + 16, e1);
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            m[r] = mn[r];
+            if (alpha[r] != 1.0f) {
+                const __m512 c = _mm512_set1_ps(alpha[r]);
                 for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o[r] + d, _mm512_mul_ps(_mm512_loadu_ps(o[r] + d), c));
             }
         }
