@@ -44,6 +44,7 @@ from services.router.policies import (
     decode_policy,
     place,
     prefill_policy,
+    prefix_shortlist,
 )
 from services.router.prefix_index import PrefixIndex
 from services.router.registry import Registry, WorkerInfo
@@ -138,6 +139,17 @@ def test_drop_worker_only_drops_that_worker():
     assert index.matched_blocks("b", HASHES) == 2
 
 
+def test_matches_asked_again_sees_every_change_in_between():
+    index = index_with(a=2)
+    assert index.matches(HASHES) == {"a": 2}
+    assert index.matches(HASHES) == {"a": 2}  # the same question, answered again
+    index.apply(events("b", stored=HASHES[:3]))
+    assert index.matches(HASHES) == {"a": 2, "b": 3}
+    index.drop_worker("a")
+    assert index.matches(HASHES) == {"b": 3}
+    assert index.matches(HASHES[:1]) == {"b": 1}
+
+
 # ---- prefill policies -----------------------------------------------------------------
 
 def test_prefix_policy_picks_the_longest_cached_prefix():
@@ -148,6 +160,45 @@ def test_prefix_policy_picks_the_longest_cached_prefix():
     assert chosen.worker.worker_id == "b"
     assert chosen.cached_tokens == 3 * BS
     assert chosen.score == 3 * BS
+
+
+def test_the_prefix_shortlist_picks_exactly_what_the_steps_over_every_worker_pick():
+    """Many workers: the steps run over the prefix holders and the least loaded other only.
+    Random fleets (ties in load, the least loaded holding the prefix, holders that are no
+    candidates, budgets every worker fails) must give the same worker, score and cached
+    tokens as the steps over all of them."""
+    rng = random.Random(7)
+    shortcuts = 0
+    for case in range(600):
+        ids = [f"w{i}" for i in range(rng.randrange(16, 40))]
+        workers = [worker(w, outstanding=rng.choice([0, 0, 4, 12, 50, 200, 1000, 5000])) for w in ids]
+        index = PrefixIndex()
+        for holder in rng.sample(ids, rng.randrange(0, 6)) + ["decode-only"] * rng.randrange(2):
+            index.apply(events(holder, stored=HASHES[:rng.randrange(1, 5)]))
+        prompt = PROMPT[:rng.randrange(1, 17)] if rng.random() < 0.8 else [7] + PROMPT[1:]
+        steps = prefill_policy("prefix", index, token_budget=rng.choice([8, 20, 100, 1000, 8192]),
+                               load_weight=rng.choice([0.25, 1.0, 3.0]))
+        rows = {w.worker_id: i for i, w in enumerate(workers)}
+        shortlist = prefix_shortlist(index, rows.get)
+        req = request(prompt, f"r{case}")
+        shortcuts += len(shortlist(req, workers)) < len(workers)
+        want = asyncio.run(place(req, workers, steps))
+        got = asyncio.run(place(req, workers, steps, shortlist))
+        assert (got is None) == (want is None), case
+        if want is not None:
+            assert (got.worker, got.score, got.cached_tokens) == (want.worker, want.score, want.cached_tokens), case
+    assert shortcuts > 500  # the short way was taken, not the fallback to every worker
+
+
+def test_the_prefix_shortlist_takes_no_shortcut_with_few_workers_or_a_foreign_list():
+    index = index_with(b=2)
+    workers = [worker(f"w{i}", outstanding=i) for i in range(20)] + [worker("b", outstanding=9)]
+    rows = {w.worker_id: i for i, w in enumerate(workers)}
+    shortlist = prefix_shortlist(index, rows.get)
+    assert [w.worker_id for w in shortlist(request(), workers)] == ["w0", "b"]
+    assert shortlist(request(), workers[:10]) == workers[:10]  # too few to bother
+    reordered = workers[::-1]  # not the list the positions index
+    assert shortlist(request(), reordered) == reordered
 
 
 def test_prefix_policy_cached_tokens_never_exceed_the_prompt():

@@ -16,6 +16,7 @@ import enum
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from common.hashing import BlockHash
 from common.rules import decode_blocks_needed
@@ -77,9 +78,15 @@ class Candidates:
 
 
 Step = Callable[[PlacementRequest, Candidates], Awaitable[Candidates]]
+# The workers a policy's steps could pick among ``workers``, in their order: the steps then
+# run over those alone (they need not be every worker, only a superset of the winners).
+Shortlist = Callable[[PlacementRequest, Sequence[WorkerInfo]], Sequence[WorkerInfo]]
 
 
-async def place(req: PlacementRequest, workers: Sequence[WorkerInfo], steps: Sequence[Step]) -> Candidate | None:
+async def place(req: PlacementRequest, workers: Sequence[WorkerInfo], steps: Sequence[Step],
+                shortlist: Shortlist | None = None) -> Candidate | None:
+    if shortlist is not None:
+        workers = shortlist(req, workers)
     candidates = Candidates(workers)
     for step in steps:
         candidates = await step(req, candidates)
@@ -180,6 +187,41 @@ def prefill_policy(name: RoutingPolicy | str, index: PrefixIndex, token_budget: 
     if policy is RoutingPolicy.ROUND_ROBIN:
         return [budget, round_robin()]
     return [budget, least_loaded()]
+
+
+SHORTLIST_FROM = 16  # fewer workers: the steps over all of them cost about as little
+_outstanding = attrgetter("outstanding_tokens")
+
+
+def prefix_shortlist(index: PrefixIndex, position: Callable[[str], int | None]) -> Shortlist:
+    """The prefix policy's possible winners: the workers holding the prompt's first block,
+    and the least loaded worker.
+
+    Exact for the steps of ``prefill_policy("prefix", ...)`` with ``load_weight > 0``: a
+    worker with nothing cached scores ``-load_weight × outstanding`` and passes the budget
+    exactly when it is idle or its outstanding tokens fit, so the least loaded worker (the
+    first of equals, as ``best`` breaks ties) beats or ties every worker with nothing
+    cached, and if it fails the budget they all do. (When the least loaded holds some of
+    the prompt, no worker without it can win at all: it scores lower and fits no better.)
+    ``position`` gives a worker's index in ``workers`` (the registry's list): the shortlist
+    keeps their order, so ties still go the same way. A placement among hundreds of workers
+    then reads a few of them, not all (one C-level ``min`` aside).
+    """
+
+    def shortlist(req: PlacementRequest, workers: Sequence[WorkerInfo]) -> Sequence[WorkerInfo]:
+        if len(workers) < SHORTLIST_FROM:
+            return workers
+        least = min(workers, key=_outstanding)
+        rows = set()
+        for worker_id in (*index.matches(req.block_hashes), least.worker_id):
+            i = position(worker_id)  # None: not a candidate (a decode worker, one draining)
+            if i is not None and i < len(workers) and workers[i].worker_id == worker_id:
+                rows.add(i)
+        if not any(workers[i] is least for i in rows):
+            return workers  # not the list ``position`` indexes: take no shortcut
+        return [workers[i] for i in sorted(rows)]
+
+    return shortlist
 
 
 # ---- decode steps ---------------------------------------------------------------------

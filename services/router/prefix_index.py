@@ -31,8 +31,13 @@ class PrefixIndex:
         self._slots: dict[str, int] = {}  # worker -> its slot, while it is indexed
         self._workers: dict[int, str] = {}  # slot -> worker
         self._free: list[int] = []  # slots of dropped workers, for reuse
+        # The last ``matches`` answer, for the same list of hashes while nothing changed:
+        # one placement asks twice (the shortlist, then the step that scores the prefix).
+        self._version = 0
+        self._memo: tuple[Sequence[BlockHash], int, dict[str, int]] | None = None
 
     def apply(self, events: KVEvents) -> None:
+        self._version += 1
         held = self._blocks.setdefault(events.worker_id, {})
         bit = 1 << self._slot(events.worker_id)
         if events.cleared:
@@ -49,6 +54,7 @@ class PrefixIndex:
                 holders[block_hash] = holders.get(block_hash, 0) | bit
 
     def drop_worker(self, worker_id: str) -> None:
+        self._version += 1
         held = self._blocks.pop(worker_id, None)
         slot = self._slots.pop(worker_id, None)
         if slot is None:
@@ -77,7 +83,16 @@ class PrefixIndex:
         return count
 
     def matches(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """``matched_blocks`` of every worker at once, for those with at least one block."""
+        """``matched_blocks`` of every worker at once, for those with at least one block
+        (the caller must not change the dict: the same one answers a repeated question)."""
+        memo = self._memo
+        if memo is not None and memo[0] is hashes and memo[1] == self._version:
+            return memo[2]
+        found = self._matches(hashes)
+        self._memo = (hashes, self._version, found)
+        return found
+
+    def _matches(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         found: dict[str, int] = {}
         if not hashes:
             return found

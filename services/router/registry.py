@@ -63,6 +63,7 @@ class Registry:
         self.timeout = heartbeat_timeout
         self.workers: dict[str, WorkerInfo] = {}
         self._prefill: list[WorkerInfo] = []
+        self._prefill_rows: dict[str, int] = {}  # worker id -> its index in ``_prefill``
         self._decode: list[WorkerInfo] = []
         self._draining: list[WorkerInfo] = []
         self._max_model_len: int | None = None
@@ -70,6 +71,7 @@ class Registry:
     def _membership_changed(self) -> None:
         live = self.workers.values()
         self._prefill = [w for w in live if w.can_prefill and not w.draining]
+        self._prefill_rows = {w.worker_id: i for i, w in enumerate(self._prefill)}
         self._decode = [w for w in live if w.can_decode and not w.draining]
         self._draining = [w for w in live if w.draining]
         self._max_model_len = min((w.max_model_len for w in live), default=None)
@@ -132,6 +134,10 @@ class Registry:
         """Prefill-capable live workers that may take new work (not draining), in
         registration order (a fresh list)."""
         return list(self._prefill)
+
+    def prefill_position(self, worker_id: str) -> int | None:
+        """A worker's index in ``prefill_workers()`` (None: not among them)."""
+        return self._prefill_rows.get(worker_id)
 
     def decode_workers(self) -> list[WorkerInfo]:
         """Decode-capable live workers that may take new work (not draining), in

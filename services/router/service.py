@@ -80,6 +80,7 @@ from services.router.policies import (
     decode_policy,
     place,
     prefill_policy,
+    prefix_shortlist,
     within_token_budget,
 )
 from services.router.prefix_index import PrefixIndex
@@ -172,7 +173,12 @@ class RouterService:
         self._serving = False  # the loop is reading the socket (``/ready``)
         self._prefill_steps = prefill_policy(settings.policy, self.index, settings.token_budget,
                                              settings.load_weight)
+        # Among many workers the prefix policy's steps run over its possible winners only.
+        self._prefill_shortlist = (
+            prefix_shortlist(self.index, self.registry.prefill_position)
+            if settings.policy is RoutingPolicy.PREFIX and settings.load_weight > 0 else None)
         self._decode_steps = decode_policy()
+        self._queue_shown = 0  # the queue length gauge's value
         self._local_budget = within_token_budget(settings.token_budget)  # a decode worker's own prompts
         self._ctx = zmq.asyncio.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -222,7 +228,9 @@ class RouterService:
             identity, msg = self._decoded(frames)
             if msg is not None:
                 await self._dispatch(identity, msg)
-                self._queue_len.set(len(self.queue))  # exact, not only every 0.25 s
+                if len(self.queue) != self._queue_shown:  # exact, not only every 0.25 s
+                    self._queue_shown = len(self.queue)
+                    self._queue_len.set(self._queue_shown)
                 self._message_seconds(msg.TAG).observe(time.perf_counter() - started)
 
     def _decoded(self, frames: list[bytes]) -> tuple[bytes, Message | None]:
@@ -447,7 +455,7 @@ class RouterService:
             return True
         req = PlacementRequest(routed.submit.request_id, routed.submit.num_prompt_tokens,
                                hashes, block_size)
-        chosen = await place(req, prefill_workers, self._prefill_steps)
+        chosen = await place(req, prefill_workers, self._prefill_steps, self._prefill_shortlist)
         if chosen is not None and chosen.worker.role is not WorkerRole.PREFILL:
             return await self._assign(routed, req, chosen.worker, chosen.cached_tokens, None)
         decode = await place(req, self.registry.decode_workers(), self._decode_steps)
@@ -556,7 +564,8 @@ class RouterService:
         self._message_seconds = functools.cache(handling.labels)  # one child per tag
 
     def _update_gauges(self) -> None:
-        self._queue_len.set(len(self.queue))
+        self._queue_shown = len(self.queue)
+        self._queue_len.set(self._queue_shown)
         self._index_blocks.set(self.index.total_blocks())
         for role in WorkerRole:
             self._workers.labels(role.value).set(
