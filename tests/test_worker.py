@@ -36,7 +36,7 @@ from common.protocol import (
 )
 from common.roles import FinishStage, WorkerRole
 from common.sampling_params import SamplingParams
-from services.worker import WorkerService, WorkerSettings
+from services.worker import ACK_POLL_MS, WorkerService, WorkerSettings
 from tests.conftest import loaded_model
 
 DEADLINE_S = 30.0
@@ -326,6 +326,36 @@ def test_an_unacked_transfer_expires_and_frees_the_prefill_blocks(prefill_worker
     assert done.error == "KV transfer lease expired"
     h.assert_idle()
     assert [t.header.request_id for t in peer.poll(0)] == ["r"]  # it was sent, never acked
+
+
+class RecordingPoller:
+    """The worker's poller, recording each timeout it is asked to wait."""
+
+    def __init__(self, inner: zmq.Poller) -> None:
+        self.inner, self.timeouts = inner, []
+
+    def poll(self, timeout=None):
+        self.timeouts.append(timeout)
+        return self.inner.poll(timeout)
+
+
+def test_a_loop_waiting_only_for_acks_sleeps_instead_of_spinning(prefill_worker):
+    """A prompt computed and shipped leaves its request detached in the engine until the
+    receiver acks: nothing to compute, so each tick waits in the poller (briefly: acks do
+    not wake it) rather than spinning. The spin burnt a core beside the decode worker."""
+    h, peer = prefill_worker
+    h.send(Task.of("r", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
+    got = []
+    h.run_until(lambda: bool(got.extend(peer.poll(0)) or got))  # shipped, not acked
+    engine = h.worker.engine
+    assert engine.has_unfinished and not engine.has_work
+    poller = h.worker._poller = RecordingPoller(h.worker._poller)  # noqa: SLF001
+    h.worker.tick()
+    assert poller.timeouts == [ACK_POLL_MS]
+    peer.ack(got[0], ok=True)
+    h.run_until(lambda: any(isinstance(m, Finished) for m in h.from_worker))
+    h.assert_idle()
+    assert not engine.has_unfinished
 
 
 def test_an_acked_transfer_finishes_the_prefill_stage(prefill_worker):

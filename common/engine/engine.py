@@ -268,6 +268,12 @@ class Engine:
         return bool(self._requests)
 
     @property
+    def has_work(self) -> bool:
+        """A step would compute something: a sequence is running or waiting. (Not one
+        detached for a KV handoff, which only waits for its transfer to end.)"""
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
