@@ -75,7 +75,7 @@ IDLE_POLL_MS = 5  # for a receiver that cannot wake the poller (UCX's own thread
 # Acks of outgoing transfers do not wake the poller either: with transfers out and nothing
 # to compute (the prefilled requests only wait for their KV to land), the loop looks again
 # this often. Spinning took a core from the decode worker beside it: at c16 on 2 vCPUs the
-# prefill worker burnt ~36 s of CPU in a 50-s run and P/D served at 0.4x colocated.
+# prefill worker burnt 27-36 s of CPU in a 50-s run, and P/D served 0.4-0.5x colocated.
 ACK_POLL_MS = 1
 
 
