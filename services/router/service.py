@@ -90,11 +90,19 @@ log = logging.getLogger("tandem.router")
 NO_PREFILL = Refusal(503, "no prefill worker is available", 2.0)
 RECV_BATCH = 256  # messages handled between two turns of the event loop
 ENDED_KEPT = 16384  # ended request ids remembered (seconds of them at thousands a second)
+WORKERS_KEPT = 4096  # worker ids remembered as declared dead, or as asked to register again
 # An unknown worker's heartbeats are answered with ``Reregister`` at most this often: a
 # restarted router gets a burst of the beats buffered while it was down, and each
 # ``Register`` after the first would read as the worker restarting (its requests failed).
 REREGISTER_EVERY_S = 1.0
 MESSAGE_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 0.1, 1.0)
+
+
+def _remember(table: OrderedDict, key, value, keep: int) -> None:
+    """Set ``table[key]``, forgetting the oldest entries past ``keep``."""
+    table[key] = value
+    while len(table) > keep:
+        table.popitem(last=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,9 +392,7 @@ class RouterService:
             now = self._clock()
             if now - self._asked.get(msg.worker_id, now - REREGISTER_EVERY_S) < REREGISTER_EVERY_S:
                 return  # asked already: its Register is on the way
-            self._asked[msg.worker_id] = now
-            while len(self._asked) > 4096:
-                self._asked.popitem(last=False)
+            _remember(self._asked, msg.worker_id, now, WORKERS_KEPT)
             lost = msg.worker_id in self._declared_dead
             await self._send(msg.worker_id.encode(), Reregister(msg.worker_id, lost_work=lost))
 
@@ -429,9 +435,7 @@ class RouterService:
             self.ledger.prefill_done(msg.request_id)
         else:
             routed = self.requests.pop(msg.request_id)
-            self._ended[msg.request_id] = routed.gateway
-            while len(self._ended) > ENDED_KEPT:
-                self._ended.popitem(last=False)
+            _remember(self._ended, msg.request_id, routed.gateway, ENDED_KEPT)
             holders = self.ledger.release(msg.request_id)
             if msg.error:
                 for worker_id in holders - {msg.worker_id}:
@@ -522,9 +526,7 @@ class RouterService:
 
     async def _worker_gone(self, worker: WorkerInfo) -> None:
         self.index.drop_worker(worker.worker_id)
-        self._declared_dead[worker.worker_id] = (worker.role, self._clock())
-        while len(self._declared_dead) > 4096:
-            self._declared_dead.popitem(last=False)
+        _remember(self._declared_dead, worker.worker_id, (worker.role, self._clock()), WORKERS_KEPT)
         for request_id in self.ledger.requests_on(worker.worker_id):
             routed = self.requests.pop(request_id, None)
             holders = self.ledger.release(request_id)
