@@ -112,8 +112,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
                    help="torch threads (default: every CPU this process may use)")
     add("--share-cpus", action=argparse.BooleanOptionalAction,
                    default=env("share_cpus", default_of(EngineConfig, "share_cpus"), bool),
-                   help="run each step on only as many threads as other processes leave "
-                        "CPUs idle (for workers sharing a host's CPUs without --cpu-affinity)")
+                   help="run each step on only as many threads as the other workers on "
+                        "this host's CPUs leave free (for workers sharing CPUs without "
+                        "--cpu-affinity; they see each other through /dev/shm)")
     add("--seed", type=int, default=env("seed", default_of(EngineConfig, "seed"), int))
     add("--speculative-config", default=env("speculative_config", default_of(EngineConfig, "speculative")),
                    help='n-gram speculative decoding as JSON, e.g. \'{"method": "ngram", '

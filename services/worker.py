@@ -177,6 +177,7 @@ class WorkerService:
         """One turn of the loop (``run`` repeats it; tests drive it directly)."""
         if not (self.engine.has_work or self.num_arriving):
             # Requests detached for a handoff and transfers in flight wait for acks only.
+            self.engine.rest()
             waiting_acks = len(self.outgoing) or self.engine.has_unfinished
             idle_ms = IDLE_WAIT_MS if self._wakeable else IDLE_POLL_MS
             self._poller.poll(ACK_POLL_MS if waiting_acks else idle_ms)

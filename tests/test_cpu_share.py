@@ -1,105 +1,106 @@
-"""CpuShare: threads per step from what the other processes leave idle (/proc/stat)."""
+"""CpuShare: threads per step from what the other workers on our CPUs use now (the board)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from common.engine.cpu_share import CpuShare, busy_seconds
+from common.engine.cpu_share import CpuShare, ThreadBoard
+from tests.conftest import make_engine
 
-STAT = """cpu  100 0 50 1000 5 0 0 0 0 0
-cpu0 {u0} 0 {s0} 500 2 0 0 {st0} 0 0
-cpu1 {u1} 0 {s1} 500 3 0 0 0 0 0
-intr 12345
+
+@pytest.fixture
+def board_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CPU_BOARD", str(tmp_path))
+    return tmp_path
+
+
+def test_a_busy_neighbour_costs_a_thread_at_our_next_step_and_gives_it_back_when_it_rests(board_dir):
+    decode, prefill = CpuShare([0, 1], 2), CpuShare([0, 1], 2)
+    assert decode.threads() == 2  # alone
+    assert prefill.threads() == 1  # the decode step holds both CPUs: what is left, at least one
+    assert decode.threads() == 1 and decode.others == 1
+    prefill.rest()
+    assert decode.threads() == 2 and decode.others == 0
+
+
+def test_only_the_cpus_we_share_count(board_dir):
+    ours = CpuShare([1, 2, 3], 3)
+    apart = CpuShare([0], 1)
+    overlapping = CpuShare([0, 1], 2)
+    assert apart.threads() == 1 and overlapping.threads() == 1  # overlapping sees apart's one
+    assert ours.threads() == 2  # overlapping's one thread may be on CPU 1: 3 - 1
+    assert ours.others == 1
+
+
+def test_never_below_one_thread_nor_above_max_threads(board_dir):
+    crowd = [CpuShare([0, 1], 2) for _ in range(3)]
+    for share in crowd:
+        share.threads()
+    assert all(share.threads() == 1 for share in crowd)
+    for share in crowd:
+        share.rest()
+    capped = CpuShare([0, 1, 2, 3], 2)
+    assert capped.threads() == 2
+
+
+def test_a_closed_board_entry_is_gone_and_no_longer_counts(board_dir):
+    mine, other = CpuShare([0, 1], 2), CpuShare([0, 1], 2)
+    other.threads()
+    other_file = other.board.path
+    assert other_file.exists()
+    other.close()
+    assert not other_file.exists()
+    mine.board.relist_s = 0.0
+    assert mine.threads() == 2
+
+
+_WORKER = """
+import sys
+from common.engine.cpu_share import CpuShare
+share = CpuShare([0, 1], 2)
+share.board.set(2)
+print(share.board.path, flush=True)
+sys.stdin.read()
 """
 
 
-def stat(u0=0, s0=0, u1=0, s1=0, st0=0) -> str:
-    return STAT.format(u0=u0, s0=s0, u1=u1, s1=s1, st0=st0)
-
-
-def test_busy_seconds_counts_user_system_irq_and_steal_on_the_cpus_asked_for():
-    text = stat(u0=30, s0=10, u1=200, s1=100, st0=5)
-    assert busy_seconds(text, [0], 100) == pytest.approx(0.45)  # 30 + 10 + 5 ticks
-    assert busy_seconds(text, [1], 100) == pytest.approx(3.0)
-    assert busy_seconds(text, [0, 1], 100) == pytest.approx(3.45)
-    assert busy_seconds(text, [7], 100) == 0.0
-
-
-class Host:
-    """A scripted /proc/stat, our own CPU time and a clock."""
-
-    def __init__(self) -> None:
-        self.now, self.busy_ticks, self.own = 0.0, 0, 0.0
-
-    def share(self, cpus=(0, 1), max_threads=2) -> CpuShare:
-        return CpuShare(list(cpus), max_threads, interval_s=0.1, clock=lambda: self.now,
-                        read_stat=lambda: stat(u0=self.busy_ticks), own_cpu=lambda: self.own,
-                        ticks_per_s=100)
-
-    def run(self, seconds: float, others_cpus: float, own_cpus: float) -> None:
-        self.now += seconds
-        self.own += own_cpus * seconds
-        self.busy_ticks += round((others_cpus + own_cpus) * seconds * 100)
-
-
-def test_our_own_threads_never_count_against_us():
-    host = Host()
-    share = host.share()
-    host.run(0.2, others_cpus=0.0, own_cpus=2.0)  # both CPUs busy, all of it ours
-    assert share.threads() == 2 and share.others == pytest.approx(0.0)
-
-
-def test_a_neighbour_that_keeps_a_cpu_busy_costs_a_thread_and_gives_it_back():
-    host = Host()
-    share = host.share()
-    host.run(0.2, others_cpus=0.9, own_cpus=1.0)
-    assert share.threads() == 1  # 2 - 0.9 + 0.25 = 1.35
-    host.run(0.2, others_cpus=0.05, own_cpus=1.0)  # a gateway's few percent
-    assert share.threads() == 2
-    host.run(0.2, others_cpus=2.0, own_cpus=0.0)
-    assert share.threads() == 1  # never below one
-
-
-def test_the_decision_is_remade_only_once_per_interval():
-    host = Host()
-    share = host.share()
-    host.run(0.2, others_cpus=1.0, own_cpus=0.5)
-    assert share.threads() == 1
-    host.run(0.05, others_cpus=0.0, own_cpus=2.0)
-    assert share.threads() == 1  # inside the interval: unchanged
-    host.run(0.1, others_cpus=0.0, own_cpus=2.0)
-    assert share.threads() == 2
-
-
-def test_max_threads_caps_the_count():
-    host = Host()
-    share = host.share(cpus=(0, 1, 2, 3), max_threads=2)
-    host.run(0.2, others_cpus=0.0, own_cpus=1.0)
-    assert share.threads() == 2
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux")
-def test_a_real_process_spinning_on_one_of_our_cpus_takes_a_thread_away():
-    cpus = sorted(os.sched_getaffinity(0))[:2]
-    if len(cpus) < 2:
-        pytest.skip("needs two CPUs")
-    burner = subprocess.Popen([sys.executable, "-c", (
-        f"import os; os.sched_setaffinity(0, {{{cpus[1]}}})\nwhile True: pass")])
+def test_a_killed_workers_entry_stops_counting_and_its_file_is_removed(board_dir):
+    """A worker killed mid-step leaves its count on the board; its lock goes with it."""
+    child = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ},
+                             cwd=os.path.dirname(os.path.dirname(__file__)))
     try:
-        share = CpuShare(cpus, 2, interval_s=0.2)
-        deadline = time.monotonic() + 20
-        seen = []
-        while time.monotonic() < deadline:
-            seen.append(share.threads())
-            if seen[-1] == 1 and share.others >= 0.75:
-                break
-            time.sleep(0.05)  # pacing the samples; the loop polls a condition with a deadline
-        assert seen[-1] == 1 and share.others >= 0.75, (seen[-5:], share.others)
+        path = child.stdout.readline().strip()
+        share = CpuShare([0, 1], 2, ThreadBoard([0, 1], relist_s=0.0))
+        assert share.threads() == 1  # alive: its two threads count
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        assert share.threads() == 2
+        assert not os.path.exists(path)
     finally:
-        burner.kill()
-        burner.wait()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_an_engine_holds_its_threads_on_the_board_while_it_computes_and_rests_when_not(
+        board_dir, tiny_model_dir):
+    from common.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_model_dir, share_cpus=True)
+    entry = engine._cpu_share.board
+    engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=3, temperature=0.0))
+    engine.step()
+    assert entry._mine[0] == engine._cpu_share.max_threads >= 1
+    deadline = time.monotonic() + 60
+    while engine.has_work and time.monotonic() < deadline:
+        engine.step()
+    assert not engine.has_work
+    engine.step()  # nothing to schedule
+    assert entry._mine[0] == 0

@@ -1,85 +1,203 @@
-"""How many threads a step may use when other processes share this host's CPUs.
+"""How many threads a step may use when other workers share this host's CPUs.
 
 A prefill and a decode worker on one 2-CPU host either pin one CPU each (``--cpu-affinity``:
 no interference, but a decode alone on the host still runs on one CPU) or share both. Sharing
 with a fixed thread count is the worst of both: when the other worker is busy, a step's
 OpenMP team waits at every barrier for the thread that lost its CPU. ``CpuShare`` lets a
-worker use every CPU it may run on, but only as many threads per step as the *other*
-processes leave idle, measured from ``/proc/stat`` over the last ``interval_s``:
+worker use every CPU it may run on, but only as many threads per step as the *other workers*
+on those CPUs leave free right now:
 
-    others = (busy CPU time on our CPUs - our own CPU time) / wall time      (in CPUs)
-    threads = clamp(round_down(cpus - others + slack), 1, max_threads)
+    threads = clamp(len(cpus) - threads the other workers' steps are using, 1, max_threads)
 
-``slack`` (0.25) makes a neighbour that is busy most of the time count as a whole CPU,
-while a gateway's few percent do not cost a thread. Our own threads, spinning or working,
-are never counted against us. The decision is re-made at most every ``interval_s`` (the
-kernel's CPU counters tick at 100 Hz, so shorter windows are noise).
+Each worker says what it uses on a ``ThreadBoard``: a directory of one small shared-memory
+file per process (``/dev/shm/tandem-cpus-<uid>`` by default, ``$TANDEM_CPU_BOARD`` to move
+it), holding the thread count of the step it is running (0 while it has nothing to compute)
+and the CPUs it may run on. A worker writes its count before each step and reads the others'
+in the same breath, so a prefill worker that starts a long prompt costs the decode worker a
+thread at the decode worker's next step, not a measuring window later, and gives it back the
+moment it finishes. Only workers count: a gateway's or router's scattered load does not cost
+a thread (with a fixed two threads, c16 ran faster than when that load was counted from
+``/proc/stat``, which is what this module did before).
+
+A worker killed mid-step leaves its file behind: each owner holds an exclusive ``flock`` on
+its file for its lifetime, the kernel drops it with the process, and a reader that can take
+the lock (it looks again every ``relist_s``) deletes the file. Workers that do not share a
+``/dev/shm`` (other containers, other hosts) do not see each other, and need not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import itertools
+import mmap
 import os
+import struct
+import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (idle, iowait not)
-
-
-def busy_seconds(stat_text: str, cpus: Sequence[int], ticks_per_s: float) -> float:
-    """CPU seconds spent busy, since boot, on ``cpus``, from the text of ``/proc/stat``."""
-    wanted = {f"cpu{c}" for c in cpus}
-    total = 0
-    for line in stat_text.splitlines():
-        name, _, rest = line.partition(" ")
-        if name in wanted:
-            values = rest.split()
-            total += sum(int(values[i]) for i in _BUSY_FIELDS if i < len(values))
-    return total / ticks_per_s
+# A board file: int32 threads in use now, int32 the number of CPUs that follow, then each
+# CPU's number as an int32 (written once).
+_HEADER = struct.Struct("=ii")
+_serial = itertools.count()  # tests run several engines in one process
 
 
-def _read_stat() -> str:
-    with open("/proc/stat") as f:
-        return f.read()
+def default_board_dir() -> Path:
+    root = os.environ.get("TANDEM_CPU_BOARD")
+    if root:
+        return Path(root)
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"tandem-cpus-{os.getuid()}"
 
 
-def _own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
+class _Entry:
+    """One other worker's file, mapped: its CPUs (fixed) and its live thread count."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        _, count = _HEADER.unpack_from(self._map, 0)
+        if count < 0 or _HEADER.size + 4 * count > len(self._map):
+            self._map.close()
+            raise ValueError(f"{path}: not a board file")
+        self.cpus = frozenset(struct.unpack_from(f"={count}i", self._map, _HEADER.size))
+        self._view = memoryview(self._map)[:4].cast("i")
+
+    @property
+    def threads(self) -> int:
+        return self._view[0]
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+
+
+class ThreadBoard:
+    """This process's entry on the board, and a view of everyone else's."""
+
+    def __init__(self, cpus: Sequence[int], directory: Path | None = None,
+                 relist_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.directory = directory or default_board_dir()
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.cpus = frozenset(cpus)
+        self.relist_s, self._clock = relist_s, clock
+        self.path = self.directory / f"{os.getpid()}.{next(_serial)}"
+        self._fd, self._map = self._publish(sorted(self.cpus))
+        self._mine = memoryview(self._map)[:4].cast("i")
+        # Our file goes when we are collected or the interpreter exits (a killed worker's
+        # goes when a reader finds it unlocked).
+        self._finalizer = weakref.finalize(self, _withdraw, self.path, self._fd, self._map, self._mine)
+        self._others: dict[str, _Entry] = {}
+        self._listed = -float("inf")
+
+    def _publish(self, cpus: list[int]) -> tuple[int, mmap.mmap]:
+        # Made under a temporary name and locked before it gets its real one, so no reader
+        # ever finds it unlocked (which would mean its owner is dead).
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".new-")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, _HEADER.pack(0, len(cpus)) + struct.pack(f"={len(cpus)}i", *cpus))
+            mapped = mmap.mmap(fd, 0)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return fd, mapped
+
+    def set(self, threads: int) -> None:
+        self._mine[0] = threads
+
+    def others_threads(self) -> int:
+        """Threads the other workers' steps use on our CPUs now."""
+        if self._clock() - self._listed >= self.relist_s:
+            self._relist()
+        used = 0
+        for entry in self._others.values():
+            threads = entry.threads
+            if threads > 0:
+                used += min(threads, len(entry.cpus & self.cpus))
+        return used
+
+    def _relist(self) -> None:
+        self._listed = self._clock()
+        try:
+            names = {n for n in os.listdir(self.directory)
+                     if not n.startswith(".") and n != self.path.name}
+        except OSError:
+            names = set()
+        for name in list(self._others):
+            if name not in names:
+                self._others.pop(name).close()
+        for name in names:
+            if _owner_gone(self.directory / name):
+                entry = self._others.pop(name, None)
+                if entry is not None:
+                    entry.close()
+            elif name not in self._others:
+                with contextlib.suppress(OSError, ValueError):
+                    self._others[name] = _Entry(self.directory / name)
+
+    def close(self) -> None:
+        for entry in self._others.values():
+            entry.close()
+        self._others.clear()
+        self._finalizer()
+
+
+def _withdraw(path: Path, fd: int, mapped: mmap.mmap, mine: memoryview) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    mine.release()
+    mapped.close()
+    os.close(fd)
+
+
+def _owner_gone(path: Path) -> bool:
+    """Whether the process that wrote ``path`` has died (its lock went with it); if so the
+    file is deleted."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # held: alive
+    except OSError:
+        return True
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 class CpuShare:
-    """The thread count for the next step; call ``threads()`` before each one."""
+    """The thread count for the next step: call ``threads()`` before each step that
+    computes, and ``rest()`` whenever there is nothing to compute."""
 
-    def __init__(self, cpus: Sequence[int], max_threads: int, interval_s: float = 0.1,
-                 slack: float = 0.25, *, clock: Callable[[], float] = time.monotonic,
-                 read_stat: Callable[[], str] = _read_stat,
-                 own_cpu: Callable[[], float] = _own_cpu_seconds,
-                 ticks_per_s: float | None = None) -> None:
+    def __init__(self, cpus: Sequence[int], max_threads: int, board: ThreadBoard | None = None) -> None:
         if max_threads < 1 or not cpus:
             raise ValueError("CpuShare needs at least one CPU and one thread")
         self.cpus = list(cpus)
         self.max_threads = max_threads
-        self.interval_s = interval_s
-        self.slack = slack
-        self._clock, self._read_stat, self._own_cpu = clock, read_stat, own_cpu
-        self._ticks = ticks_per_s or float(os.sysconf("SC_CLK_TCK"))
-        self._current = max_threads
-        self._last = self._sample()
-        self.others = 0.0  # CPUs the other processes kept busy over the last window
-
-    def _sample(self) -> tuple[float, float, float]:
-        busy = busy_seconds(self._read_stat(), self.cpus, self._ticks)
-        return self._clock(), busy, self._own_cpu()
+        self.board = board or ThreadBoard(self.cpus)
+        self.others = 0  # threads the other workers were using at the last decision
 
     def threads(self) -> int:
-        now = self._clock()
-        if now - self._last[0] < self.interval_s:
-            return self._current
-        sample = self._sample()
-        (t0, busy0, own0), (t1, busy1, own1) = self._last, sample
-        self._last = sample
-        wall = t1 - t0
-        self.others = max(0.0, ((busy1 - busy0) - (own1 - own0)) / wall) if wall > 0 else 0.0
-        free = len(self.cpus) - self.others + self.slack
-        self._current = max(1, min(self.max_threads, int(free)))
-        return self._current
+        self.others = self.board.others_threads()
+        n = max(1, min(self.max_threads, len(self.cpus) - self.others))
+        self.board.set(n)
+        return n
+
+    def rest(self) -> None:
+        self.board.set(0)
+
+    def close(self) -> None:
+        self.board.close()

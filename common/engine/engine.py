@@ -273,6 +273,12 @@ class Engine:
         detached for a KV handoff, which only waits for its transfer to end.)"""
         return bool(self.scheduler.running or self.scheduler.waiting)
 
+    def rest(self) -> None:
+        """Tell the workers sharing our CPUs that we compute nothing until the next step
+        (``--share-cpus``; the worker's loop calls it whenever it goes idle)."""
+        if self._cpu_share is not None:
+            self._cpu_share.rest()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -333,6 +339,7 @@ class Engine:
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
         out = self.scheduler.schedule(drafts)
         if out.is_empty:
+            self.rest()
             return []
         result = self.runner.execute(out)
         record_prompt_logprobs(result.prompt_rows, self.runner.model.logits)
