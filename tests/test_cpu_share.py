@@ -49,6 +49,46 @@ def test_never_below_one_thread_nor_above_max_threads(board_dir):
     assert capped.threads() == 2
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.on_sleep = lambda: None
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.on_sleep()
+
+
+def test_a_step_that_may_wait_waits_for_the_others_next_step_to_leave_it_a_cpu(board_dir):
+    clock = Clock()
+    decode = CpuShare([0, 1], 2)
+    prefill = CpuShare([0, 1], 2, clock=lambda: clock.now, sleep=clock.sleep)
+    assert decode.threads() == 2
+    decided = []
+    clock.on_sleep = lambda: decided.append(decode.threads()) if clock.now >= 0.01 and not decided else None
+    assert prefill.threads(may_wait=True) == 1  # not 1 beside the decode's 2: it waited
+    assert decided == [1]  # the decode's next step saw the want and left a CPU
+    assert 0.01 <= prefill.waited_s < 0.02
+    assert decode.threads() == 1 and prefill.board._mine[1] == 0  # the want is withdrawn
+
+
+def test_a_wait_ends_after_wait_s_if_nobody_makes_room(board_dir):
+    clock = Clock()
+    holder = CpuShare([0, 1], 2)
+    holder.threads()  # holds both CPUs and never steps again
+    prefill = CpuShare([0, 1], 2, wait_s=0.2, clock=lambda: clock.now, sleep=clock.sleep)
+    assert prefill.threads(may_wait=True) == 1
+    assert prefill.waited_s == pytest.approx(0.2, abs=0.001)
+
+
+def test_a_step_that_may_not_wait_never_does(board_dir):
+    clock = Clock()
+    holder = CpuShare([0, 1], 2)
+    holder.threads()
+    decode = CpuShare([0, 1], 2, clock=lambda: clock.now, sleep=clock.sleep)
+    assert decode.threads() == 1 and decode.waited_s == 0 and clock.now == 0
+
+
 def test_a_closed_board_entry_is_gone_and_no_longer_counts(board_dir):
     mine, other = CpuShare([0, 1], 2), CpuShare([0, 1], 2)
     other.threads()
@@ -104,3 +144,29 @@ def test_an_engine_holds_its_threads_on_the_board_while_it_computes_and_rests_wh
     assert not engine.has_work
     engine.step()  # nothing to schedule
     assert entry._mine[0] == 0
+
+
+class RecordingShare:
+    def __init__(self) -> None:
+        self.asked: list[bool] = []
+
+    def threads(self, may_wait: bool = False) -> int:
+        self.asked.append(may_wait)
+        return 1
+
+    def rest(self) -> None:
+        pass
+
+
+def test_only_a_step_of_prompts_for_handoff_may_wait(tiny_model_dir):
+    from common.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_model_dir)
+    engine._cpu_share = share = RecordingShare()
+    engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=2, temperature=0.0),
+                       prefill_only=True)
+    engine.step()
+    assert share.asked == [True]
+    engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=2, temperature=0.0))
+    engine.step()  # a prompt whose tokens this engine streams
+    assert share.asked == [True, False]

@@ -332,15 +332,17 @@ class Engine:
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[SeqUpdate]:
-        if self._cpu_share is not None:
-            threads = self._cpu_share.threads()
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
         out = self.scheduler.schedule(drafts)
         if out.is_empty:
             self.rest()
             return []
+        if self._cpu_share is not None:
+            # Only a prefill worker's step (prompts for a handoff alone) waits for a CPU.
+            handoffs_only = all(chunk.seq.request.prefill_only for chunk in out.chunks)
+            threads = self._cpu_share.threads(may_wait=handoffs_only)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         result = self.runner.execute(out)
         record_prompt_logprobs(result.prompt_rows, self.runner.model.logits)
         self.scheduler.advance(out)
