@@ -181,6 +181,10 @@ class WorkerService:
             waiting_acks = len(self.outgoing) or self.engine.has_unfinished
             idle_ms = IDLE_WAIT_MS if self._wakeable else IDLE_POLL_MS
             self._poller.poll(ACK_POLL_MS if waiting_acks else idle_ms)
+        elif self.engine.stalled and not self.num_arriving:
+            # Its requests wait for blocks that only an ack (not a poller event) or an
+            # abort frees: stepping again at once would only burn a CPU the peer needs.
+            self._poller.poll(ACK_POLL_MS)
         self._read_control()
         if self.inbox is not None:
             self.inbox.take()

@@ -358,6 +358,32 @@ def test_a_loop_waiting_only_for_acks_sleeps_instead_of_spinning(prefill_worker)
     assert not engine.has_unfinished
 
 
+def test_a_loop_whose_prompt_waits_for_blocks_lent_to_a_transfer_sleeps_instead_of_spinning(
+        tiny_model_dir):
+    """Only the ack frees the blocks the second prompt needs: each tick waits briefly in
+    the poller instead of stepping an engine that can compute nothing."""
+    h = Harness(tiny_model_dir, WorkerRole.PREFILL, num_blocks=4, kv_transfer_attempts=1)
+    peer = make_receiver("zmq", "tcp://127.0.0.1:0")
+    try:
+        h.send(Task.of("a", PROMPT, GREEDY, h.reply_to, handoff_addr=peer.address))
+        got = []
+        h.run_until(lambda: bool(got.extend(peer.poll(0)) or got))  # 3 of 4 blocks lent
+        h.send(Task.of("b", [t + 1000 for t in PROMPT], GREEDY, h.reply_to, handoff_addr=peer.address))
+        engine = h.worker.engine
+        h.run_until(lambda: engine.stalled and engine.has_work)  # b waits for blocks
+        poller = h.worker._poller = RecordingPoller(h.worker._poller)  # noqa: SLF001
+        h.worker.tick()
+        assert poller.timeouts == [ACK_POLL_MS]
+        peer.ack(got.pop(), ok=True)
+        h.run_until(lambda: bool(got.extend(peer.poll(0)) or got))  # b computed and shipped
+        peer.ack(got.pop(), ok=True)
+        h.run_until(lambda: {m.request_id for m in h.from_worker if isinstance(m, Finished)} == {"a", "b"})
+        h.assert_idle()
+    finally:
+        peer.close()
+        h.close()
+
+
 def test_an_acked_transfer_finishes_the_prefill_stage(prefill_worker):
     h, peer = prefill_worker
     h.send(Task.of("r", PROMPT, replace(GREEDY, n=2, temperature=0.5, seed=1), h.reply_to,

@@ -116,6 +116,8 @@ class Engine:
                            if config.share_cpus and hasattr(os, "sched_getaffinity") else None)
         self.config = config
         self.detokenize = detokenize
+        # The last step found nothing it could compute (its requests wait for blocks).
+        self.stalled = False
         self.loaded = loaded or load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
         self.spec = self.loaded.spec
@@ -334,6 +336,7 @@ class Engine:
     def step(self) -> list[SeqUpdate]:
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
         out = self.scheduler.schedule(drafts)
+        self.stalled = out.is_empty
         if out.is_empty:
             self.rest()
             return []
