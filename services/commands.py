@@ -129,6 +129,10 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    default=env("drain_timeout", default_of(G, "drain_timeout"), float),
                    help="on SIGTERM, refuse new requests (503) and give open ones this long "
                         "to finish; a second signal stops at once")
+    p.add_argument("--router-reach-timeout", type=float,
+                   default=env("router_reach_timeout", default_of(G, "router_reach_timeout"), float),
+                   help="how long a request waits for a router out of reach (restarting) "
+                        "before its 503; once it has been away this long, 503 at once")
     p.add_argument("--tool-call-parser", default=env("tool_call_parser",
                                                      default_of(G, "tool_call_parser")),
                    help="how tool calls are read out of the model's text (and asked for, "
@@ -231,7 +235,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         api_key=args.api_key, model=args.model, served_model_name=args.served_model_name,
         max_model_len=args.max_model_len, request_timeout=args.request_timeout,
         admission_timeout=args.admission_timeout, drain_timeout=args.drain_timeout,
-        tool_call_parser=args.tool_call_parser)
+        router_reach_timeout=args.router_reach_timeout, tool_call_parser=args.tool_call_parser)
     app = create_app(settings)
     _freeze_startup_heap()
     serve(app, args.host, args.port)  # returns once drained and closed

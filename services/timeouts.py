@@ -31,6 +31,7 @@ class Timeouts:
     heartbeat_timeout: float = default_of(RouterSettings, "heartbeat_timeout")
     lease_seconds: float = default_of(WorkerSettings, "lease_seconds")
     drain_timeout: float = default_of(WorkerSettings, "drain_timeout")
+    router_reach_timeout: float = default_of(GatewaySettings, "router_reach_timeout")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -46,7 +47,7 @@ class Timeouts:
         return _argv(self, "heartbeat_interval", "lease_seconds", "drain_timeout")
 
     def gateway_argv(self) -> list[str]:
-        return _argv(self, "admission_timeout", "drain_timeout")
+        return _argv(self, "admission_timeout", "drain_timeout", "router_reach_timeout")
 
 
 def check_admission(admission_timeout: float, queue_timeout: float) -> None:

@@ -18,18 +18,20 @@ from services.gateway.router_link import REACH_S, RouterLink, RouterUnavailable
 from tests.conftest import ManualClock
 
 
-def test_a_long_outage_refuses_a_new_request_after_one_try_and_a_returning_router_is_used():
+@pytest.mark.parametrize("reach_s", [None, 3.0])  # the default, and --router-reach-timeout 3
+def test_a_long_outage_refuses_a_new_request_after_one_try_and_a_returning_router_is_used(reach_s):
     address = f"tcp://127.0.0.1:{free_port()}"
 
     async def main():
         clock = ManualClock()  # frozen unless moved: a request that waited for it would never end
-        link = RouterLink(address, "tcp://127.0.0.1:0", clock=clock)
+        link = (RouterLink(address, "tcp://127.0.0.1:0", clock=clock) if reach_s is None else
+                RouterLink(address, "tcp://127.0.0.1:0", clock=clock, reach_s=reach_s))
         link.start()
         try:
             assert link.unreachable_for() is None
             assert await link.status(timeout=0.1) is None  # nobody listens: the send fails
             assert link.unreachable_for() == 0.0
-            clock.now += REACH_S  # the router has been away for the whole reach window
+            clock.now += reach_s or REACH_S  # the router has been away for the whole window
             with pytest.raises(RouterUnavailable):  # a hang would be wait_for's TimeoutError
                 await asyncio.wait_for(link.submit("r1", [1, 2, 3], SamplingParams(max_tokens=2),
                                                    timeout=5.0), 30)

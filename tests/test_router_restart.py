@@ -47,7 +47,9 @@ def router_up(cluster: Cluster) -> bool:
 
 
 def test_a_router_restart_loses_no_stream_and_no_cache(model_dir):
-    with Cluster(str(model_dir), prefill=2, decode=1) as cluster:
+    # The request sent while the router is gone waits out the reach window for its 503.
+    with Cluster(str(model_dir), prefill=2, decode=1,
+                 extra=("--num-kv-blocks", "512", "--router-reach-timeout", "3")) as cluster:
         assert complete(cluster, PREFIX + [1, 2]).status_code == 200  # warms one worker
         [warm] = [name for name, n in hits(cluster).items() if n == 0 and
                   cluster.metric(cluster.child(name), "tandem:prefix_cache_queries_total") > 0]

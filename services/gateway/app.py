@@ -83,7 +83,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        gw.link = RouterLink(settings.router, settings.stream_bind, settings.advertise_host)
+        gw.link = RouterLink(settings.router, settings.stream_bind, settings.advertise_host,
+                             reach_s=settings.router_reach_timeout)
         gw.link.start()
         status = await gw.link.status(timeout=1.0)
         if status is not None:

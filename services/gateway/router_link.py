@@ -44,10 +44,11 @@ log = logging.getLogger("tandem.gateway")
 CONNECT_GRACE_MS = 1000  # how long a message waits for the router's connection to be up
 # A Submit the router has not acknowledged (Queued, Admitted or Rejected) within ACK_S was
 # most likely written into the connection of a router that died as it left: it is sent
-# again (the router answers a resend of a request it knows with its state) until REACH_S,
-# which covers a supervised router restart, and then the request fails with a 503. Once
-# the router has been out of reach for REACH_S already, a new request is tried once and
-# then refused, instead of each waiting out another REACH_S of a long outage.
+# again (the router answers a resend of a request it knows with its state) until the reach
+# window (``reach_s``, the gateway's --router-reach-timeout, REACH_S by default) ends, which
+# covers a supervised router restart, and then the request fails with a 503. Once the
+# router has been out of reach for that long already, a new request is tried once and then
+# refused, instead of each waiting out another window of a long outage.
 ACK_S = 1.0
 REACH_S = 10.0
 # A request the router has queued (``Queued``) lives only in that router's memory: the
@@ -72,8 +73,9 @@ class Admission:
 
 class RouterLink:
     def __init__(self, router_addr: str, stream_bind: str, advertise_host: str = "127.0.0.1",
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock  # the reach window (REACH_S); tests move it by hand
+                 clock: Callable[[], float] = time.monotonic, reach_s: float = REACH_S) -> None:
+        self._clock = clock  # the reach window's; tests move it by hand
+        self._reach_s = reach_s
         self._unreachable_since: float | None = None  # the first failed send since the last good one
         self._ctx = zmq.asyncio.Context()
         self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
@@ -218,7 +220,8 @@ class RouterLink:
     async def _deliver(self, submit: Submit, heard: asyncio.Future[None]) -> None:
         """Send ``submit`` until the router acknowledges it (see ACK_S and REACH_S)."""
         away = self.unreachable_for()
-        give_up = self._clock() + (REACH_S if away is None or away < REACH_S else 0.0)
+        reach = self._reach_s
+        give_up = self._clock() + (reach if away is None or away < reach else 0.0)
         while True:
             try:
                 await self._send(submit)

@@ -24,6 +24,9 @@ class GatewaySettings:
     request_timeout: float = 600.0  # silence from the workers that fails a request
     admission_timeout: float = 120.0  # must exceed the router's queue timeout
     drain_timeout: float = 30.0  # SIGTERM: open requests get this long to finish
+    # How long a request waits for a router that is out of reach (a restart) before its
+    # 503; once the router has been away this long, new requests are refused at once.
+    router_reach_timeout: float = 10.0
     tool_call_parser: str = DEFAULT_PARSER  # reads tool calls out of text (tool_parsers.PARSERS)
 
     def __post_init__(self) -> None:
@@ -49,7 +52,7 @@ class GatewaySettings:
                f"must be a number of seconds >= 0, got {self.drain_timeout!r}")
         _check(self.tool_call_parser in PARSERS, "tool_call_parser",
                f"must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
-        for name in ("request_timeout", "admission_timeout"):
+        for name in ("request_timeout", "admission_timeout", "router_reach_timeout"):
             value = getattr(self, name)
             number = isinstance(value, int | float) and not isinstance(value, bool)
             _check(number and math.isfinite(value) and value > 0, name,
