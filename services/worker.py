@@ -165,6 +165,7 @@ class WorkerService:
         self.router.close(linger=1000 if self._left else 0)  # a Deregister must get out
         self.http.close()
         self._ctx.term()
+        self.engine.close()
 
     @property
     def kv_address(self) -> str | None:

@@ -144,6 +144,8 @@ def test_an_engine_holds_its_threads_on_the_board_while_it_computes_and_rests_wh
     assert not engine.has_work
     engine.step()  # nothing to schedule
     assert entry._mine[0] == 0
+    engine.close()  # a worker's last act: its entry leaves the board
+    assert not entry.path.exists()
 
 
 class RecordingShare:

@@ -275,6 +275,13 @@ class Engine:
         detached for a KV handoff, which only waits for its transfer to end.)"""
         return bool(self.scheduler.running or self.scheduler.waiting)
 
+    def close(self) -> None:
+        """Withdraw from the CPU board (a worker leaves by ``os._exit``, which runs no
+        finalizer); the rest of the engine goes with the process."""
+        if self._cpu_share is not None:
+            self._cpu_share.close()
+            self._cpu_share = None
+
     def rest(self) -> None:
         """Tell the workers sharing our CPUs that we compute nothing until the next step
         (``--share-cpus``; the worker's loop calls it whenever it goes idle)."""
