@@ -148,6 +148,15 @@ def test_an_engine_holds_its_threads_on_the_board_while_it_computes_and_rests_wh
     assert not entry.path.exists()
 
 
+def test_an_engine_without_a_writable_board_runs_on_all_its_threads(tmp_path, monkeypatch,
+                                                                     tiny_model_dir):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("TANDEM_CPU_BOARD", str(blocked / "board"))  # under a file: no mkdir
+    engine = make_engine(tiny_model_dir, share_cpus=True)
+    assert engine._cpu_share is None
+
+
 class RecordingShare:
     def __init__(self) -> None:
         self.asked: list[bool] = []

@@ -107,13 +107,22 @@ class _Tracked:
     texts: dict[int, list[str]] = field(default_factory=dict)
 
 
+def _cpu_share(config: EngineConfig) -> CpuShare | None:
+    if not config.share_cpus or not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        return CpuShare(sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+    except OSError as e:  # no writable board directory: every step on all our threads
+        log.warning("--share-cpus is off: no CPU board (%s)", e)
+        return None
+
+
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  detokenize: bool = True) -> None:
         """``detokenize=False`` leaves text and stop strings to the caller (the gateway)."""
         torch.set_num_threads(config.threads or available_cpus())
-        self._cpu_share = (CpuShare(sorted(os.sched_getaffinity(0)), torch.get_num_threads())
-                           if config.share_cpus and hasattr(os, "sched_getaffinity") else None)
+        self._cpu_share = _cpu_share(config)
         self.config = config
         self.detokenize = detokenize
         # The last step found nothing it could compute (its requests wait for blocks).
