@@ -7,7 +7,8 @@ OpenMP team waits at every barrier for the thread that lost its CPU. ``CpuShare`
 worker use every CPU it may run on, but only as many threads per step as the *other workers*
 on those CPUs leave free right now:
 
-    threads = clamp(len(cpus) - threads the other workers' steps are using, 1, max_threads)
+    threads = clamp(len(cpus) - threads the others' steps use - threads they wait for,
+                    1, max_threads)
 
 Each worker says what it uses on a ``ThreadBoard``: a directory of one small shared-memory
 file per process (``/dev/shm/tandem-cpus-<uid>`` by default, ``$TANDEM_CPU_BOARD`` to move
@@ -22,7 +23,8 @@ a thread (with a fixed two threads, c16 ran faster than when that load was count
 A worker killed mid-step leaves its file behind: each owner holds an exclusive ``flock`` on
 its file for its lifetime, the kernel drops it with the process, and a reader that can take
 the lock (it looks again every ``relist_s``) deletes the file. Workers that do not share a
-``/dev/shm`` (other containers, other hosts) do not see each other, and need not.
+``/dev/shm`` (other hosts, other containers) do not see each other: containers that share
+a host's CPUs need CPU limits or ``--cpu-affinity`` instead.
 """
 
 from __future__ import annotations
