@@ -154,6 +154,10 @@ class EngineMetrics(RequestMetrics):
                                         "Speculative draft tokens verified")
         self.spec_accepted_tokens = metric(Counter, "tandem:spec_decode_num_accepted_tokens",
                                            "Speculative draft tokens accepted")
+        self.step_threads = metric(Gauge, "tandem:step_threads", "Threads the last engine step "
+                                   "ran on (with --share-cpus: what the other workers left)")
+        self.cpu_wait = metric(Counter, "tandem:cpu_wait_seconds", "Time prefill steps waited "
+                               "for a CPU that other workers' steps held (--share-cpus)")
         self.kv_bytes = metric(Counter, "tandem:kv_transfer_bytes", "KV bytes shipped or received",
                                ("direction",))
         self.kv_received = metric(Counter, "tandem:kv_transfers_received", "KV transfers taken "

@@ -123,7 +123,7 @@ class WorkerService:
         if wakeup is not None:
             self._poller.register(wakeup, zmq.POLLIN)
         self._wakeable = self.receiver is None or wakeup is not None
-        self._stats_seen = (0, 0, 0, 0, 0)
+        self._stats_seen = (0, 0, 0, 0, 0, 0.0)
         self._stopping = False
         self.drain = DrainState(settings.drain_timeout)
         self._registered = False  # the router answered our latest Register
@@ -424,10 +424,11 @@ class WorkerService:
         m.running.set(stats.num_running)
         m.waiting.set(stats.num_waiting + self.num_arriving)
         m.kv_usage.set(stats.kv_usage)
+        m.step_threads.set(stats.step_threads)
         seen = (stats.prefix_queries, stats.prefix_hits, stats.num_preemptions,
-                stats.num_draft_tokens, stats.num_accepted_tokens)
+                stats.num_draft_tokens, stats.num_accepted_tokens, stats.cpu_wait_seconds)
         counters = (m.prefix_queries, m.prefix_hits, m.preemptions, m.spec_draft_tokens,
-                    m.spec_accepted_tokens)
+                    m.spec_accepted_tokens, m.cpu_wait)
         for counter, now, before in zip(counters, seen, self._stats_seen, strict=True):
             counter.inc(now - before)
         self._stats_seen = seen

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from common.connector import make_receiver, make_sender
 from common.engine.engine import Engine
+from common.metrics import counter_value
 from common.outputs import FinishReason
 from common.protocol import (
     Abort,
@@ -118,6 +119,29 @@ def colocated(tiny_model_dir) -> Iterator[Harness]:
     h = Harness(tiny_model_dir, WorkerRole.COLOCATED)
     yield h
     h.close()
+
+
+class WaitedShare:
+    """A CpuShare whose steps ran on one thread and waited 0.25 s for CPUs in all."""
+
+    waited_s = 0.25
+
+    def threads(self, may_wait: bool = False) -> int:
+        return 1
+
+    def rest(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_time_steps_waited_for_a_cpu_and_their_threads_are_exported(colocated: Harness):
+    colocated.worker.engine._cpu_share = WaitedShare()  # noqa: SLF001
+    colocated.serve_one()
+    metrics = colocated.worker.metrics
+    assert counter_value(metrics.cpu_wait) == 0.25
+    assert metrics.step_threads._value.get() == 1  # noqa: SLF001
 
 
 def test_a_registered_worker_beats_before_its_first_tick(colocated: Harness) -> None:

@@ -75,6 +75,8 @@ class EngineStats:
     num_draft_tokens: int = 0  # speculative tokens verified, ever
     num_accepted_tokens: int = 0  # of those, accepted
     num_computed_tokens: int = 0  # tokens whose KV the steps computed, ever
+    cpu_wait_seconds: float = 0.0  # steps waited for a CPU other workers held, ever (--share-cpus)
+    step_threads: int = 0  # threads the last step ran on
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -319,10 +321,12 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         spec = self.speculator.stats if self.speculator else SpecStats()
+        share = self._cpu_share
         return EngineStats(self.num_running, self.num_waiting, self.pool.num_free_blocks,
                            self.pool.num_blocks, self.pool.usage, s.prefix_queries,
                            s.prefix_hits, self.scheduler.num_preemptions,
-                           spec.num_draft_tokens, spec.num_accepted_tokens, s.computed_tokens)
+                           spec.num_draft_tokens, spec.num_accepted_tokens, s.computed_tokens,
+                           share.waited_s if share is not None else 0.0, torch.get_num_threads())
 
     # ---- KV export (the prefill side of a handoff) -----------------------------------
 
