@@ -59,7 +59,7 @@ def default_board_dir() -> Path:
 class _Entry:
     """One other worker's file, mapped: its CPUs (fixed) and its live thread count."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, ours: frozenset[int]) -> None:
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         _, _, count = _HEADER.unpack_from(self._map, 0)
@@ -67,6 +67,7 @@ class _Entry:
             self._map.close()
             raise ValueError(f"{path}: not a board file")
         self.cpus = frozenset(struct.unpack_from(f"={count}i", self._map, _HEADER.size))
+        self.shared = len(self.cpus & ours)  # of our CPUs, how many it may run on too
         self._view = memoryview(self._map)[:8].cast("i")
 
     @property
@@ -128,9 +129,8 @@ class ThreadBoard:
         for entry in self._others.values():
             threads, waiting = entry.threads, entry.wanted
             if threads > 0 or waiting > 0:
-                shared = len(entry.cpus & self.cpus)
-                used += min(threads, shared)
-                wanted += min(waiting, shared)
+                used += min(threads, entry.shared)
+                wanted += min(waiting, entry.shared)
         return used, wanted
 
     def _relist(self) -> None:
@@ -150,7 +150,7 @@ class ThreadBoard:
                     entry.close()
             elif name not in self._others:
                 with contextlib.suppress(OSError, ValueError):
-                    self._others[name] = _Entry(self.directory / name)
+                    self._others[name] = _Entry(self.directory / name, self.cpus)
 
     def close(self) -> None:
         for entry in self._others.values():
