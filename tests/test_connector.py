@@ -9,6 +9,7 @@ as synchronisation and no assertions about how long anything took.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import select
 import signal
@@ -606,6 +607,21 @@ def test_ucx_wrong_commit_is_refused(ucx_impatient_harness: Harness) -> None:
     h.wait(lambda: h.ack_for("forged") is not None, "nack for the forged commit")
     assert not h.received
     assert not h.ack_for("forged").ok and "expected the commit" in h.ack_for("forged").reason
+
+
+def test_ucx_blocks_land_in_memory_reused_once_the_caller_drops_them(ucx_harness: Harness) -> None:
+    h = ucx_harness
+    h.send("first", random_blocks(3, BLOCK, seed=9))
+    h.wait(lambda: h.ack_for("first") is not None, "the first transfer")
+    where = {np.frombuffer(b, np.uint8).ctypes.data for b in h.received[0].blocks}
+    h.received.clear()  # the worker copied them into its cache and let go
+    gc.collect()
+    assert h.receiver._buffers.idle_bytes == 3 * BLOCK
+    second = random_blocks(3, BLOCK, seed=10)
+    h.send("second", second)
+    h.wait(lambda: h.ack_for("second") is not None, "the second transfer")
+    assert {np.frombuffer(b, np.uint8).ctypes.data for b in h.received[0].blocks} == where
+    assert same_bytes(h.received[0].blocks, second)
 
 
 def test_ucx_unreachable_receiver_is_nacked_locally() -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from common.connector.failures import log
+from common.connector.ucx.buffers import ReceiveBuffers
 from common.connector.ucx.loop import ucxx
 from common.protocol import MAX_MESSAGE_BYTES, KVHandoff, KVPiece
 
@@ -91,7 +92,8 @@ async def _recv_exact(ep: Any, nbytes: int, timeout: float, what: str, transfer_
     return buf
 
 
-async def recv_blocks(ep: Any, header: KVHandoff | KVPiece, timeout: float) -> list[memoryview]:
+async def recv_blocks(ep: Any, header: KVHandoff | KVPiece, timeout: float,
+                      buffers: ReceiveBuffers) -> list[memoryview]:
     """The transfer's block frames, each size-checked before its bytes are taken.
 
     Receives overlap: a frame is taken off the matching queue once probed, so the next
@@ -105,7 +107,7 @@ async def recv_blocks(ep: Any, header: KVHandoff | KVPiece, timeout: float) -> l
             if got != nbytes:
                 raise Malformed(tid, f"block frame {i} has {got} bytes, expected {nbytes}")
             handle = ep.tag_probe(remove=True)  # the same message: nobody else reads this tag
-            bufs.append(np.empty(nbytes, dtype=np.uint8))
+            bufs.append(memoryview(buffers.take(nbytes)))
             receives.append(asyncio.ensure_future(ep.recv_with_handle(bufs[-1], handle)))
         await asyncio.gather(*receives)
     except BaseException:
@@ -113,7 +115,7 @@ async def recv_blocks(ep: Any, header: KVHandoff | KVPiece, timeout: float) -> l
             r.cancel()
         await asyncio.gather(*receives, return_exceptions=True)
         raise
-    return [memoryview(b).toreadonly() for b in bufs]
+    return [b.toreadonly() for b in bufs]
 
 
 async def recv_commit(ep: Any, timeout: float, transfer_id: str) -> None:

@@ -6,7 +6,8 @@ through a queue (``poll``) and pokes a zmq pipe so an idle worker can sleep in i
 
 A rejected or broken transfer leaves the stream's framing unknown, so the receiver nacks
 it (when the peer can still hear) and closes that connection; the sender reconnects on
-its next transfer. A partial transfer's buffers die with the task's frame.
+its next transfer. A partial transfer's buffers die with the task's frame. Blocks land in
+buffers that are reused once the caller drops every view of them (``buffers``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from common.connector.base import (
     decode_header,
 )
 from common.connector.failures import ErrorHook, FailureLog, TransferFailure, log
+from common.connector.ucx.buffers import ReceiveBuffers
 from common.connector.ucx.framing import (
     FRAME_TIMEOUT_S,
     Malformed,
@@ -66,6 +68,7 @@ class UcxReceiver:
         host, port = parse_address(address)
         self.frame_timeout_s = frame_timeout_s  # a transfer stalled this long is nacked
         self._failures = FailureLog(on_error)
+        self._buffers = ReceiveBuffers()
         self._ready: queue.SimpleQueue[ReceivedTransfer] = queue.SimpleQueue()
         self._tasks = TaskSet()  # replies
         self._serving: set[asyncio.Task] = set()  # one per connection
@@ -167,7 +170,7 @@ class UcxReceiver:
         tid = header.transfer_id
         if header.block_nbytes > MAX_BLOCK_FRAME_BYTES or header.num_blocks < 0:
             raise Malformed(tid, check_transfer(header, []) or f"bad num_blocks {header.num_blocks}")
-        blocks = await recv_blocks(ep, header, self.frame_timeout_s)
+        blocks = await recv_blocks(ep, header, self.frame_timeout_s, self._buffers)
         problem = check_transfer(header, blocks)
         if problem:
             raise Malformed(tid, problem)
