@@ -12,7 +12,10 @@ process, once per transport:
   ucxx tag sends of the same messages into receives all posted up front (no probing,
   no checks, no thread hop), the raw zmq tcp figure beside it, and ``ucx_perftest`` per
   UCX transport configuration (``loadtest.ucx_perftest``), the best of which is the
-  "best raw UCX" figure the connector is held to;
+  "best raw UCX" figure the connector is held to: once with messages of one block (one
+  buffer reused for every message: it stays in the CPU's caches, so this one flatters
+  UCX) and once with messages of a whole transfer (the bytes come from memory, as a
+  transfer's do);
 * ``shm``: the real sender lending blocks from a shared-memory segment (``--kv-shm on``,
   control messages over ipc) and the real receiver mapping it; the receiver copies every
   block into a huge-page destination (as a decode worker copies into its cache) before it
@@ -98,11 +101,20 @@ class Row:
     raw_runs: list[float] = field(default_factory=list)
     perftest_mb_s: dict[str, float] = field(default_factory=dict)  # ucx only: median per config
     vs_best_perftest: float | None = None  # ucx only: median ratio against that run's best config
+    perftest_transfer_mb_s: dict[str, float] = field(default_factory=dict)  # the same, a message a transfer
+    vs_best_perftest_transfer: float | None = None
 
 
 def source_blocks(n: int, nbytes: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(SEED)
-    return [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
+    """The blocks every transfer sends: rows of one huge-page-backed array, as a worker's
+    blocks are slices of its cache (``kernels.cpu_memory``)."""
+    import torch
+
+    from kernels import cpu_memory
+
+    rows = cpu_memory.empty((n, nbytes), torch.uint8).numpy()
+    rows[:] = np.random.default_rng(SEED).integers(0, 256, (n, nbytes), dtype=np.uint8)
+    return list(rows)
 
 
 LAYOUT = [30, 16, 3, 64, 4]  # layers, block size (tokens), kv heads, head dim, element size
@@ -136,13 +148,13 @@ def _measure(transport: str, args: argparse.Namespace, blocks: list[np.ndarray])
     baselines = {"ucx": [("raw-ucxx", "ucx"), ("raw-zmq", "zmq-tcp")],
                  "shm": [("raw-copy", "shm")]}.get(transport, [("raw-zmq", transport)])
     if transport == "ucx" and perftest_binary() is not None:
-        baselines += [("perftest", label) for label in PERFTEST_CONFIGS]
+        baselines += [(mode, label) for mode in PERFTEST_MODES for label in PERFTEST_CONFIGS]
     runs: dict[str, list[float]] = {"connector": []} | {_key(m, w): [] for m, w in baselines}
     for i in range(args.repeat):
         for mode, where in [("connector", transport), *baselines]:
             print(f"{transport}: {_key(mode, where)} run {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
-            if mode == "perftest":
-                runs[_key(mode, where)].append(perftest_mb_s(where, args.block_bytes, args.transfers * args.blocks))
+            if mode in PERFTEST_MODES:
+                runs[_key(mode, where)].append(_perftest(mode, where, args))
             else:
                 runs[_key(mode, where)].append(payload / _one_run(mode, where, args, blocks) / 1e6)
     connector, (raw_mode, _) = runs["connector"], baselines[0]
@@ -154,16 +166,30 @@ def _measure(transport: str, args: argparse.Namespace, blocks: list[np.ndarray])
         transport, f"zmq PUSH/PULL {transport[4:]}")
     row = Row(transport, statistics.median(connector), raw_name, statistics.median(runs[raw_mode]),
               statistics.median(ratios), min(ratios), max(ratios), vs_tcp, connector, runs[raw_mode])
-    perftest = {w: runs[_key(m, w)] for m, w in baselines if m == "perftest"}
-    if perftest:
-        row.perftest_mb_s = {label: statistics.median(r) for label, r in perftest.items()}
-        best = [max(per_run) for per_run in zip(*perftest.values(), strict=True)]
-        row.vs_best_perftest = statistics.median(c / b for c, b in zip(connector, best, strict=True))
+    for mode in PERFTEST_MODES:
+        perftest = {w: runs[_key(m, w)] for m, w in baselines if m == mode}
+        if perftest:
+            best = [max(per_run) for per_run in zip(*perftest.values(), strict=True)]
+            medians = {label: statistics.median(r) for label, r in perftest.items()}
+            vs_best = statistics.median(c / b for c, b in zip(connector, best, strict=True))
+            if mode == "perftest":
+                row.perftest_mb_s, row.vs_best_perftest = medians, vs_best
+            else:
+                row.perftest_transfer_mb_s, row.vs_best_perftest_transfer = medians, vs_best
     return row
 
 
 def _key(mode: str, where: str) -> str:
-    return f"perftest {where}" if mode == "perftest" else mode
+    return {"perftest": f"perftest {where}", "perftest-transfer": f"perftest {where} @transfer"}.get(mode, mode)
+
+
+PERFTEST_MODES = ("perftest", "perftest-transfer")  # messages of a block, of a whole transfer
+
+
+def _perftest(mode: str, label: str, args: argparse.Namespace) -> float:
+    if mode == "perftest":
+        return perftest_mb_s(label, args.block_bytes, args.transfers * args.blocks)
+    return perftest_mb_s(label, args.blocks * args.block_bytes, args.transfers)
 
 
 def _print(rows: list[Row], args: argparse.Namespace) -> None:
@@ -177,10 +203,12 @@ def _print(rows: list[Row], args: argparse.Namespace) -> None:
         spread = f"({r.ratio_min:.2f}-{r.ratio_max:.2f})"
         print(f"{r.transport:<10} {r.connector_mb_s:>15.0f}   {r.raw:<20} {r.raw_mb_s:>9.0f} "
               f"{r.ratio:>5.2f}x  {spread:<13}{extra}")
-        if r.perftest_mb_s:
-            figures = ", ".join(f"{label} {mb:.0f}" for label, mb in r.perftest_mb_s.items())
-            print(f"{'':<10} ucx_perftest tag_bw MB/s by UCX config: {figures}; "
-                  f"connector {r.vs_best_perftest:.2f}x the best")
+        for what, figures, ratio in (("a block", r.perftest_mb_s, r.vs_best_perftest),
+                                     ("a transfer", r.perftest_transfer_mb_s, r.vs_best_perftest_transfer)):
+            if figures:
+                listed = ", ".join(f"{label} {mb:.0f}" for label, mb in figures.items())
+                print(f"{'':<10} ucx_perftest tag_bw MB/s, messages of {what}, by UCX config: {listed}; "
+                      f"connector {ratio:.2f}x the best")
 
 
 def _have_ucxx() -> bool:
