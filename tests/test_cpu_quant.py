@@ -279,7 +279,7 @@ def amx_or_skip() -> None:
         pytest.skip("this CPU (or its kernel) gives no AMX-BF16: no tile GEMM to test")
 
 
-@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+@pytest.mark.parametrize("fmt", [*GGUF_FORMATS, QuantFormat.INT8_ROW])
 def test_amx_gemm_is_exact_on_small_integers_at_every_shape(fmt: QuantFormat) -> None:
     """The tile GEMM pads x to 16-row tiles, runs passes of two tiles (the last may have
     one) over pairs of panels, in blocks of 128 rows: rows past M, a lone panel at the end
@@ -295,13 +295,13 @@ def test_amx_gemm_is_exact_on_small_integers_at_every_shape(fmt: QuantFormat) ->
             assert torch.equal(cpu_quant.linear(x, packed, b, num_threads=threads), reference(x, w, b)), (m, threads)
 
 
-@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+@pytest.mark.parametrize("fmt", [*GGUF_FORMATS, QuantFormat.INT8_ROW])
 def test_amx_gemm_is_as_accurate_as_float32(fmt: QuantFormat) -> None:
     """x goes to the tile unit as three bf16 parts that sum to it exactly, the weights as
     their integer codes (exact in bf16): whatever the spread of x (outliers, tiny values,
     zero blocks), every output is within float32 summation error of the exact product,
     no further from it than the float paths' (the GEMM's, or the GEMV's, whose per-block
-    d*t + m*sum(x) it shares)."""
+    d*t + m*sum(x) it shares; INT8_ROW's tiles sum all of K, then one row scale)."""
     amx_or_skip()
     g = torch.Generator().manual_seed(21)
     w = quantized(fmt, 80, 576, seed=22)
@@ -346,7 +346,7 @@ def test_int8_rows_of_any_length(k: int, isa: str) -> None:
     g = torch.Generator().manual_seed(k)
     w = quantize_int8_rows(torch.randn(35, k, generator=g))
     packed = cpu_quant.pack(w)
-    for m in (1, 3, 5, 9, 30):
+    for m in (1, 3, 5, 9, 30, 40):  # 40: past where a K of whole blocks would take the tile GEMM
         x = torch.randn(m, k, generator=g)
         assert_matches(cpu_quant.linear(x, packed), reference(x, w, None))
 

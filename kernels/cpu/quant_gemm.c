@@ -26,9 +26,9 @@
  * Larger M: per panel, dequantise it into a float32 [K][16] buffer once (L1/L2), then a
  * 6 x 16 FMA micro-kernel sweeps every row of the M block over it (as packed_gemm.c);
  * with AVX-512, two panels at a time under a 12 x 32 tile (quant_gemm_avx512.h). Where the
- * CPU has AMX-BF16 and the kernel grants it, block formats from QG_AMX_MIN rows run on the
- * tile unit instead (quant_gemm_amx.h: the weights' integer codes and three exact bf16
- * parts of x, so still float32 accuracy).
+ * CPU has AMX-BF16 and the kernel grants it, block formats, and INT8_ROW with K a whole
+ * number of blocks, from QG_AMX_MIN rows run on the tile unit instead (quant_gemm_amx.h:
+ * the weights' integer codes and three exact bf16 parts of x, so still float32 accuracy).
  *
  * Threads (OpenMP) split the panels. The AVX2/FMA/F16C code is compiled with target
  * attributes and chosen at run time, with an AVX-512 path beside it (quant_gemm_avx512.h);
@@ -303,9 +303,9 @@ static int whole_512bit_fma(void) {
 #endif
 }
 
-static Path choose_path(int isa, int fmt, int64_t M) {
+static Path choose_path(int isa, int fmt, int64_t M, int64_t K) {
     if (isa >= ISA_VNNI && fmt != INT8_ROW && M <= QG_VNNI_MAX) return GEMV_VNNI;
-    if (isa == ISA_AMX && fmt != INT8_ROW && M >= QG_AMX_MIN) return GEMM_AMX;
+    if (isa == ISA_AMX && (fmt != INT8_ROW || K % QK == 0) && M >= QG_AMX_MIN) return GEMM_AMX;
     if (isa >= ISA_AVX512)
         return M <= (whole_512bit_fma() ? QG_GEMV_MAX16_WIDE : QG_GEMV_MAX16) ? GEMV_AVX512 : GEMM_AVX512;
     if (isa >= ISA_AVX2) return M <= QG_GEMV_MAX ? GEMV_AVX2 : GEMM_AVX2;
@@ -425,14 +425,14 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
     if (!valid(fmt, N, K) || M < 0 || ldx < K || ldy < N) return -1;
     if (M == 0 || N == 0) return 0;
     Args a = {fmt, packed, x, bias, NULL, y, ldx, ldy, M, N, K, panel_bytes(fmt, K)};
-    Path path = choose_path(use_isa(), fmt, M);
+    Path path = choose_path(use_isa(), fmt, M, K);
     Digits dg = {NULL, NULL, NULL};
 #if QG_X86
-    if (path == GEMV_VNNI && digits_make(&a, &dg) != 0) path = choose_path(ISA_AVX512, fmt, M);
+    if (path == GEMV_VNNI && digits_make(&a, &dg) != 0) path = choose_path(ISA_AVX512, fmt, M, K);
     if (path == GEMM_AMX) {
         const int rc = amx_linear(&a, num_threads);
         if (rc != 1) return rc;
-        path = choose_path(ISA_AVX512, fmt, M); /* x is not finite: the float path */
+        path = choose_path(ISA_AVX512, fmt, M, K); /* x is not finite: the float path */
     }
 #endif
     const int gemv = path == GEMV_VNNI || path == GEMV_AVX512 || path == GEMV_AVX2;
