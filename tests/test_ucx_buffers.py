@@ -59,3 +59,13 @@ def test_a_buffer_returns_from_another_thread() -> None:
     done.join()
     gc.collect()
     assert pool.idle_bytes == 4096
+
+
+def test_a_buffer_given_back_while_the_lock_is_held_waits_for_the_next_take() -> None:
+    pool = ReceiveBuffers()
+    held = pool.take(512)
+    where = address(memoryview(held))
+    with pool._lock:  # as when the collector runs a finalizer inside take, on its thread
+        del held
+        gc.collect()  # the finalizer must not wait for the lock (it would never get it)
+    assert address(memoryview(pool.take(512))) == where

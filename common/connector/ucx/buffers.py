@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 
 import numpy as np
 
@@ -26,7 +27,10 @@ class ReceiveBuffers:
     Safe from any thread: the buffer returns from whichever thread drops the last
     reference (a weakref finalizer on the array ``take`` returned). Views of it must be
     memoryviews of that array (a numpy slice would reference the hidden backing array
-    instead and let the buffer return while the slice is still alive).
+    instead and let the buffer return while the slice is still alive). A finalizer never
+    waits for the lock: the garbage collector may run one on a thread that holds it
+    (inside ``take``), so a buffer that finds the lock busy waits in ``_returned`` for
+    the next ``take``.
     """
 
     def __init__(self, idle_bytes_max: int = IDLE_BYTES_MAX) -> None:
@@ -34,14 +38,18 @@ class ReceiveBuffers:
         self._lock = threading.Lock()
         self._idle: dict[int, list[np.ndarray]] = {}  # by size
         self._idle_bytes = 0
+        self._returned: deque[np.ndarray] = deque()  # given back while the lock was busy
 
     @property
     def idle_bytes(self) -> int:
-        return self._idle_bytes
+        with self._lock:
+            self._collect()
+            return self._idle_bytes
 
     def take(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of uninitialised memory, from the smallest idle buffer that fits."""
         with self._lock:
+            self._collect()
             size = min((s for s in self._idle if s >= nbytes), default=None)
             backing = None if size is None else self._idle[size].pop()
             if size is not None:
@@ -55,7 +63,21 @@ class ReceiveBuffers:
         return handed
 
     def _give_back(self, backing: np.ndarray) -> None:
-        with self._lock:
-            if self._idle_bytes + backing.nbytes <= self.idle_bytes_max:
-                self._idle.setdefault(backing.nbytes, []).append(backing)
-                self._idle_bytes += backing.nbytes
+        if not self._lock.acquire(blocking=False):
+            self._returned.append(backing)  # deque.append: atomic, no lock
+            return
+        try:
+            self._keep(backing)
+        finally:
+            self._lock.release()
+
+    def _collect(self) -> None:
+        """Under the lock: the buffers given back while it was busy."""
+        while self._returned:
+            self._keep(self._returned.popleft())
+
+    def _keep(self, backing: np.ndarray) -> None:
+        """Under the lock: ``backing`` idle for reuse, or freed past the cap."""
+        if self._idle_bytes + backing.nbytes <= self.idle_bytes_max:
+            self._idle.setdefault(backing.nbytes, []).append(backing)
+            self._idle_bytes += backing.nbytes
