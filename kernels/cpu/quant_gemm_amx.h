@@ -1,9 +1,9 @@
 /*
  * The AMX GEMM of quant_gemm.c for Intel CPUs with AMX-BF16 (Sapphire Rapids and later):
  * block-format weights (Q8_0, Q4_0, Q4_1) and per-row int8 ones (INT8_ROW, K a multiple
- * of 32) times float32 x on the tile unit, to float32 accuracy. Included by quant_gemm.c (x86 only, target attributes, chosen at run time
- * once the kernel has granted the process the tile state); see that file for the packed
- * layout.
+ * of 32) times float32 x on the tile unit, to float32 accuracy. Included by quant_gemm.c
+ * (x86 only, target attributes, chosen at run time once the kernel has granted the
+ * process the tile state); see that file for the packed layout.
  *
  * Why: the FMA GEMM is bound by the FMA units (two 16-lane FMAs a cycle); one
  * TDPBF16PS is 16 x 16 x 32 multiply-adds, and the tile unit runs one every 16 cycles
@@ -127,7 +127,8 @@ static TGTA void amx_codes(const Args *a, const uint8_t *panel, uint16_t *bm) {
     const int fmt = a->fmt;
     const __m512i mask = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(fmt == Q4_0 ? 8 : 0);
     for (int64_t b = 0; b < a->K / QK; b++) {
-        const uint8_t *q = fmt == INT8_ROW ? panel + 64 + b * QK * NR : panel + b * block_bytes(fmt) + quant_offset(fmt);
+        const uint8_t *q = fmt == INT8_ROW ? panel + 64 + b * QK * NR /* after the row scales */
+                                           : panel + b * block_bytes(fmt) + quant_offset(fmt);
         __m512i *o = (__m512i *)(bm + b * 512);
         if (fmt == Q8_0 || fmt == INT8_ROW) { /* the same int8 [32][16] per block */
             for (int p = 0; p < 16; p++)
