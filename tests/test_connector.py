@@ -624,6 +624,22 @@ def test_ucx_blocks_land_in_memory_reused_once_the_caller_drops_them(ucx_harness
     assert same_bytes(h.received[0].blocks, second)
 
 
+def test_ucx_idle_connection_does_not_spin_the_loop(ucx_harness: Harness) -> None:
+    """Futures completed by ucxx's notifier (only its thread progress modes run one): in
+    its "blocking" mode each pending receive polls with asyncio.sleep(0), and an idle
+    worker whose sender and receiver were connected used a whole CPU."""
+    import ucxx.core
+
+    ctx = ucxx.core._get_ctx()
+    assert ctx.progress_mode.startswith("thread") and ctx.enable_python_future
+    h = ucx_harness
+    h.send("connect", random_blocks(2, BLOCK, seed=11))  # both ends now wait on the link
+    h.wait(lambda: h.ack_for("connect") is not None, "the transfer")
+    start = time.process_time()
+    time.sleep(1.0)  # a window to measure in, not synchronisation
+    assert time.process_time() - start < 0.5  # spinning used ~1.0 s of it
+
+
 def test_ucx_unreachable_receiver_is_nacked_locally() -> None:
     require_ucx()
     from common.connector.ucx import UcxSender

@@ -19,7 +19,7 @@ What invalidation would guard (a reader still copying blocks the sender has free
 transfer's commit message guards instead (``framing``).
 
 Caveats: the loop thread and UCX do not survive ``fork`` (start workers with spawn), and
-in ucxx's "thread" progress mode its progress thread makes CUDA device 0 current at start,
+ucxx's progress thread ("thread" mode, ours) makes CUDA device 0 current at start,
 so on a GPU machine each process using this transport holds a CUDA context there.
 """
 
@@ -48,13 +48,16 @@ except ImportError:  # the optional ``ucx`` extra is not installed
 # messages (the shared-memory fifos cannot detect a dead peer); this lets rendezvous,
 # i.e. every KV block, be read in place by the receiver over cma (one copy, no socket).
 UCX_OPTIONS = {"CMA_MEMORY_INVALIDATE": "y"}
-# How the UCX worker is progressed (ucxx's UCXPY_PROGRESS_MODE still wins). ucxx's default,
-# "thread", runs a progress thread per process that polls: on a 2-core machine the
-# sender's and the receiver's take cores from everything else. "blocking" progresses from
-# this loop when the worker's event fd wakes it. A 92 MB transfer, three pairs in turns on
-# one machine (`tandem bench kv-transfer --transports ucx`): 2.36-2.56 GB/s with "thread",
-# 2.64-2.79 GB/s with "blocking" (bare ucxx sends: 2.7-2.8 against 3.3-3.5 GB/s).
-PROGRESS_MODE = "blocking"
+# How the UCX worker is progressed (ucxx's UCXPY_PROGRESS_MODE still wins): "thread", a
+# progress thread that sleeps in the worker's event fd, with ucxx's notifier thread
+# completing request futures on our loop. Only the thread modes run the notifier: in
+# "blocking" (this transport's mode until 2026-12-07) ucxx falls back to futures that
+# poll with asyncio.sleep(0), so every pending receive (a receiver waiting for the next
+# transfer, a sender for acks) spun the loop: an idle prefill and decode worker at 100% of
+# a CPU each once their first transfer had connected them. It looked faster in
+# `tandem bench kv-transfer --transports ucx` (3,913 against 2,911 MB/s, machine F) only
+# because the two benchmark processes had nothing else to run.
+PROGRESS_MODE = "thread"
 MISSING = "UCX transport needs the ucx extra: pip install 'tandem[ucx]'"
 CLOSE_TIMEOUT_S = 10.0
 
