@@ -1,8 +1,8 @@
 """Where a UCX transfer's blocks land: buffers reused once nothing references them.
 
 Why: fresh memory costs a page fault and a page of zeroes per 4 KiB at its first write.
-92 MB transfers (125 blocks) received into fresh buffers ran at 2.3 GB/s on machine F,
-into reused ones at 3.9-4.1 GB/s (`tandem bench kv-transfer --blocks 125 --transports ucx`).
+92 MB transfers (125 blocks), sender and receiver processes alone, in turns on machine F:
+3.07-3.17 GB/s into fresh buffers, 3.36-3.51 into reused ones (1.06-1.14x).
 
 (Sending a run of blocks that lie back to back in the sender's cache as one message was
 tried too: no faster, and both processes spent more CPU time in the kernel's copy.)
