@@ -127,10 +127,8 @@ class ThreadBoard:
             self._relist()
         used = wanted = 0
         for entry in self._others.values():
-            threads, waiting = entry.threads, entry.wanted
-            if threads > 0 or waiting > 0:
-                used += min(threads, entry.shared)
-                wanted += min(waiting, entry.shared)
+            used += min(entry.threads, entry.shared)
+            wanted += min(entry.wanted, entry.shared)
         return used, wanted
 
     def _relist(self) -> None:
