@@ -41,18 +41,20 @@ class Kernel(NamedTuple):
     embedding: ctypes._CFuncPtr  # quant_embedding(fmt, w, N, K, ids, T, out)
     set_isa: ctypes._CFuncPtr  # quant_set_isa(cap): an index of ISAS
     isa: ctypes._CFuncPtr  # quant_isa() -> the path taken now, numbered as set_isa's cap
+    path: ctypes._CFuncPtr  # quant_path(fmt, M, K) -> an index of PATHS
 
 
 def _open(_variant: None) -> Kernel:
     lib = cpu_build.load(cpu_build.library_path(SOURCE, "quant_gemm", CFLAGS), "CPU quant kernel")
     k = Kernel(lib.quant_linear, lib.quant_pack, lib.quant_packed_size, lib.quant_embedding,
-               lib.quant_set_isa, lib.quant_isa)
+               lib.quant_set_isa, lib.quant_isa, lib.quant_path)
     k.linear.argtypes = [_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int]
     k.pack.argtypes = [_int, _ptr, _ptr, _i64, _i64, _ptr]
     k.packed_size.argtypes = [_int, _i64, _i64]
     k.embedding.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr]
     k.set_isa.argtypes, k.set_isa.restype = [_int], None
-    for f in (k.linear, k.pack, k.embedding, k.isa):
+    k.path.argtypes = [_int, _i64, _i64]
+    for f in (k.linear, k.pack, k.embedding, k.isa, k.path):
         f.restype = _int
     k.packed_size.restype = _i64
     return k
@@ -100,6 +102,17 @@ def isa() -> str:
     """The instructions ``linear`` uses now: ``"amx"``, ``"avx512vnni"``, ``"avx512"``
     (AVX-512 F/BW/VL/DQ), ``"avx2"`` (AVX2+FMA+F16C) or ``"portable"``."""
     return ISAS[_loader.require(None).isa()]
+
+
+# How ``linear`` multiplies (quant_gemm.c's Path): GEMV tiles, or a GEMM.
+PATHS = ("gemv_vnni", "gemv_avx512", "gemv_avx2", "gemm_amx", "gemm_avx512", "gemm_avx2", "gemm_c")
+
+
+def path(fmt: QuantFormat, m: int, k: int) -> str:
+    """The path ``linear`` takes now for ``m`` rows of x against a weight of ``k`` columns
+    in ``fmt`` (one of ``PATHS``; an x holding a NaN or an infinity may take a float path
+    instead)."""
+    return PATHS[_loader.require(None).path(_FMT[fmt], m, k)]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -240,6 +240,31 @@ def test_integer_gemv_leaves_non_finite_x_to_the_float_path() -> None:
     assert torch.equal(got[finite], want[finite])
 
 
+def test_each_isa_cap_takes_its_own_paths() -> None:
+    """The path for a size never exceeds the cap: GEMV tiles for few rows and a GEMM for
+    many, each of the capped instruction set (on AVX-512, the AVX2 GEMM or the AVX-512 one
+    by how the core runs a 512-bit FMA), and AMX only under the "amx" cap."""
+    allowed = {
+        "portable": ({"gemm_c"}, {"gemm_c"}),
+        "avx2": ({"gemv_avx2"}, {"gemm_avx2"}),
+        "avx512": ({"gemv_avx512"}, {"gemm_avx512", "gemm_avx2"}),
+        "avx512vnni": ({"gemv_vnni"}, {"gemm_avx512", "gemm_avx2"}),
+        "amx": ({"gemv_vnni"}, {"gemm_amx"}),
+    }
+    seen = 0
+    try:
+        for cap, (few, many) in allowed.items():
+            cpu_quant.set_isa(cap)
+            if cpu_quant.isa() != cap:
+                continue  # the CPU lacks it
+            seen += 1
+            assert cpu_quant.path(QuantFormat.Q4_1, 1, 64) in few, cap
+            assert cpu_quant.path(QuantFormat.Q4_1, 2048, 64) in many, cap
+    finally:
+        cpu_quant.set_isa(None)
+    assert seen >= 1  # portable, at least
+
+
 @pytest.mark.parametrize("fmt", list(QuantFormat))
 def test_avx512_gemm_equals_the_avx2_gemm_to_the_bit(fmt: QuantFormat) -> None:
     """Above the GEMV's sizes the AVX-512 path runs 12 x 32 tiles over pairs of dequantised
@@ -251,6 +276,8 @@ def test_avx512_gemm_equals_the_avx2_gemm_to_the_bit(fmt: QuantFormat) -> None:
     try:
         if cpu_quant.isa() != "avx512":
             pytest.skip("this CPU lacks AVX-512")
+        if cpu_quant.path(fmt, 300, 64) != "gemm_avx512":
+            pytest.skip("this CPU splits a 512-bit FMA (Zen 4): its AVX-512 path runs the AVX2 GEMM")
     finally:
         cpu_quant.set_isa(None)
     g = torch.Generator().manual_seed(17)

@@ -306,8 +306,8 @@ static int whole_512bit_fma(void) {
 static Path choose_path(int isa, int fmt, int64_t M, int64_t K) {
     if (isa >= ISA_VNNI && fmt != INT8_ROW && M <= QG_VNNI_MAX) return GEMV_VNNI;
     if (isa == ISA_AMX && (fmt != INT8_ROW || K % QK == 0) && M >= QG_AMX_MIN) return GEMM_AMX;
-    if (isa >= ISA_AVX512)
-        return M <= (whole_512bit_fma() ? QG_GEMV_MAX16_WIDE : QG_GEMV_MAX16) ? GEMV_AVX512 : GEMM_AVX512;
+    if (isa >= ISA_AVX512 && whole_512bit_fma()) return M <= QG_GEMV_MAX16_WIDE ? GEMV_AVX512 : GEMM_AVX512;
+    if (isa >= ISA_AVX512) return M <= QG_GEMV_MAX16 ? GEMV_AVX512 : GEMM_AVX2; /* see quant_gemm_avx512.h */
     if (isa >= ISA_AVX2) return M <= QG_GEMV_MAX ? GEMV_AVX2 : GEMM_AVX2;
     return GEMM_C;
 }
@@ -478,3 +478,8 @@ void quant_set_isa(int cap) { isa_cap = cap < ISA_PORTABLE ? ISA_PORTABLE : cap 
 
 /* The instructions quant_linear uses now, numbered as quant_set_isa's cap. */
 int quant_isa(void) { return use_isa(); }
+
+/* The path quant_linear takes now for M rows of x against a K-column weight in fmt,
+ * numbered as Path (tests and benchmarks; a non-finite x may still send it to a float
+ * path). */
+int quant_path(int fmt, int64_t M, int64_t K) { return (int)choose_path(use_isa(), fmt, M, K); }

@@ -14,12 +14,16 @@
  * (QG_GEMV_MAX16). Tried and dropped: building floats from small integers by OR-ing them
  * into 2^23's bits and subtracting (no faster than the conversion).
  *
- * Above those rows (QG_GEMV_MAX16, or QG_GEMV_MAX16_WIDE where the core runs a 512-bit
- * FMA whole), the GEMM: pairs of dequantised panels under 12 x 32 tiles (gemm_tile16).
- * On Zen 4 such a tile was level with the AVX2 6 x 16 one (195 against 198 GFLOP/s, both
- * at the same FMA peak; measured 2026-12-05, before the copy of x and the 192-row
- * blocks); on Intel's server cores, whose two FMA units each run a 512-bit FMA whole,
- * the peak doubles and so does what the tile can reach.
+ * Above QG_GEMV_MAX16_WIDE rows, where the core runs a 512-bit FMA whole, the GEMM:
+ * pairs of dequantised panels under 12 x 32 tiles (gemm_tile16); on Intel's server cores,
+ * whose two FMA units each run a 512-bit FMA whole, the peak doubles and so does what the
+ * tile can reach. Where a 512-bit FMA is split (Zen 4), above QG_GEMV_MAX16 rows the AVX2
+ * 6 x 16 GEMM runs instead: the same FMA peak, and the 12 x 32 tile with its copy of x
+ * fell behind it (2 vCPUs of a Zen 4, 2026-12-07, SmolLM2's products at 2,048 rows: 175-186
+ * against 199-210 GFLOP/s for the 576- and 960-column ones, level for the 3,072-column
+ * one). At the engine's default 512-token steps the two are level within the VM's noise
+ * (python -m loadtest.profile_offline in turns, five pairs: the GEMMs above 128 rows at
+ * 194-202 GFLOP/s either way).
  */
 #ifndef TANDEM_QUANT_GEMM_AVX512_H
 #define TANDEM_QUANT_GEMM_AVX512_H
