@@ -2,7 +2,8 @@
 
 ``add_rms_norm``, ``silu_mul`` and ``rope_qk`` are the elementwise steps of a Llama
 layer in one pass each over CPU float32 tensors; their torch equivalents (the oracles)
-are in ``common/model/llama.py``. Built on first use by ``kernels.cpu_build``;
+are in ``common/model/llama.py``. ``argmax_rows`` is greedy sampling's pick (oracle:
+``torch.argmax``). Built on first use by ``kernels.cpu_build``;
 ``available()`` says whether that worked, else the model keeps its torch path.
 """
 
@@ -28,6 +29,7 @@ class Kernel(NamedTuple):
     add_rms_norm: ctypes._CFuncPtr
     silu_mul: ctypes._CFuncPtr
     rope_qk: ctypes._CFuncPtr
+    argmax_rows: ctypes._CFuncPtr
 
 
 def library_path() -> Path:
@@ -37,13 +39,15 @@ def library_path() -> Path:
 
 def bind(lib: ctypes.CDLL) -> Kernel:
     """The entry points of ``lib`` with their C signatures set."""
-    k = Kernel(lib.add_rms_norm_f32, lib.silu_mul_f32, lib.rope_qk_f32)
+    k = Kernel(lib.add_rms_norm_f32, lib.silu_mul_f32, lib.rope_qk_f32, lib.argmax_rows_f32)
     # add_rms_norm_f32(x, ldx, delta_or_null, ldd, weight, eps, out, ldo, T, C)
     k.add_rms_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _f, _ptr, _i64, _i64, _i64]
     # silu_mul_f32(gu, ldg, out, ldo, T, I)
     k.silu_mul.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64]
     # rope_qk_f32(qkv, ldq, positions, cos, sin, max_pos, q, k, T, H, KVH, D)
     k.rope_qk.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
+    # argmax_rows_f32(x, ldx, T, C, out)
+    k.argmax_rows.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     for fn in k:
         fn.restype = ctypes.c_int
     return k
@@ -152,3 +156,17 @@ def rope_qk(
     if rc != 0:
         raise ValueError("rope_qk rejected the sizes or a position is out of the tables' range")
     return q, k
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a [T, C] CPU float32 tensor with contiguous rows, as int64
+    [T]: the first of equal maxima, a row's first NaN where it has one (torch's answer)."""
+    kernel = _loader.require(None)
+    ldx = _rows(x, "x")
+    t, c = x.shape
+    if c == 0:
+        raise ValueError("argmax of an empty row")
+    out = torch.empty(t, dtype=torch.int64)
+    if kernel.argmax_rows(x.data_ptr(), ldx, t, c, out.data_ptr()) != 0:
+        raise ValueError(f"argmax_rows: bad sizes {tuple(x.shape)}")
+    return out

@@ -134,3 +134,43 @@ def test_scalar_fallback_build(tmp_path: Path) -> None:
     assert kernel.silu_mul(gu.data_ptr(), 18, y.data_ptr(), 9, 2, 9) == 0
     torch.testing.assert_close(y, F.silu(gu[:, :9]) * gu[:, 9:])
     assert kernel.silu_mul(gu.data_ptr(), 17, y.data_ptr(), 9, 2, 9) == -1  # ldg < 2I
+    x = torch.tensor([[1.0, 3.0, 3.0, -1.0] * 5, [0.0] * 19 + [float("nan")]])
+    got = torch.empty(2, dtype=torch.int64)
+    assert kernel.argmax_rows(x.data_ptr(), 20, 2, 20, got.data_ptr()) == 0
+    assert got.tolist() == [1, 19]
+
+
+def argmax_cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(rows, cols, generator=g) for rows, cols in ((1, 49152), (16, 49152), (64, 1000),
+                                                                     (3, 7), (2, 8), (5, 9))]
+    ties = torch.randn(4, 100, generator=g)
+    ties[0, [5, 50, 99]] = 9.0  # equal maxima: the first
+    ties[1, [3, 60]] = 9.0
+    ties[2] = -float("inf")  # every entry masked out: index 0
+    ties[3, :] = 0.0
+    ties[3, 40] = -0.0  # signed zeros are equal: the first
+    nans = torch.randn(4, 67, generator=g)
+    nans[0, 66] = float("nan")  # a NaN is the largest, wherever it is
+    nans[1, [20, 9]] = float("nan")  # the first NaN
+    nans[2, 3], nans[2, 10] = float("inf"), float("nan")
+    nans[3, 0] = float("nan")
+    return [*cases, ties, nans]
+
+
+@pytest.mark.parametrize("case", range(len(argmax_cases())))
+def test_argmax_rows_is_torch_argmax(case: int) -> None:
+    x = argmax_cases()[case]
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.zeros(x.shape[0], x.shape[1] + 5)
+    wide[:, 2 : 2 + x.shape[1]] = x  # strided rows
+    assert torch.equal(cpu_ops.argmax_rows(wide[:, 2 : 2 + x.shape[1]]), x.argmax(dim=-1))
+
+
+def test_argmax_rows_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError):
+        cpu_ops.argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(ValueError):
+        cpu_ops.argmax_rows(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        cpu_ops.argmax_rows(torch.zeros(8, 2).t())  # columns not contiguous

@@ -20,6 +20,17 @@ import torch
 from common.engine.constraints import apply_masks
 from common.engine.logit_bias import apply_logit_bias
 from common.engine.request import Sequence, TokenLogprob
+from kernels import cpu_ops
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [S, V] logits: on the CPU by the C kernel (torch's
+    compares one element at a time: 16 rows of SmolLM2's 49,152 logits 0.72 against 0.10
+    ms, 64 rows 2.7 against 0.37 ms, on 2 threads of a Zen 4), the same answer."""
+    if (logits.is_cpu and logits.dtype is torch.float32 and logits.dim() == 2 and logits.shape[1] > 1
+            and logits.stride(1) == 1 and cpu_ops.available()):
+        return cpu_ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 @dataclass(slots=True)
@@ -41,7 +52,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = self._logprobs(logits, seqs)
         logits = self.adjust(logits, seqs)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             index = torch.tensor(sampled)

@@ -26,7 +26,7 @@ import torch
 
 from common.config import SpeculativeConfig
 from common.engine.request import Sequence, TokenLogprob
-from common.engine.sampler import Sampler
+from common.engine.sampler import Sampler, argmax_rows
 
 
 def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int = 1) -> list[int]:
@@ -136,7 +136,7 @@ def verify(sampler: Sampler, seq: Sequence, draft: tuple[int, ...], logits: torc
     rows = [seq] * logits.shape[0]
     adjusted = sampler.adjust(logits.float(), rows)
     if seq.params.greedy:
-        tokens = _accept_greedy(draft, adjusted.argmax(dim=-1).tolist())
+        tokens = _accept_greedy(draft, argmax_rows(adjusted).tolist())
     else:
         tokens = _accept_sampled(sampler, seq, draft, sampler.target_probs(adjusted, rows))
     n = len(tokens)
