@@ -148,7 +148,6 @@ int rope_qk_f32(const float *qkv, long ldq, const int64_t *positions, const floa
     return 0;
 }
 
-/* 1 if this build uses the AVX2+FMA path, 0 for the scalar fallback. */
 /* ---------------------------------------------------------------- argmax_rows */
 
 /* The first index of the row's largest value (NaN counts as largest), two passes: the
@@ -195,4 +194,5 @@ int argmax_rows_f32(const float *x, long ldx, long T, long C, int64_t *out) {
     return 0;
 }
 
+/* 1 if this build uses the AVX2+FMA path, 0 for the scalar fallback. */
 int fused_ops_simd_level(void) { return FO_AVX2; }
