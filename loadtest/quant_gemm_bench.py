@@ -15,7 +15,7 @@ the milliseconds of the whole step (body + head; each product's best round) for
 the quant kernel's weight bandwidth (packed bytes / time), GFLOP/s of quant and fp32, and
 ``rel diff`` (largest |quant - fp32| / max|fp32| over the shapes).
 
-    python loadtest/quant_gemm_bench.py [--m 1 2 4 8 64 256] [--threads 2] [--layers 30]
+    python -m loadtest.quant_gemm_bench [--m 1 2 4 8 64 256] [--threads 2] [--layers 30] [--per-shape]
 """
 
 from __future__ import annotations
@@ -59,6 +59,19 @@ def time_step(fn: Callable[[torch.Tensor, object], torch.Tensor], weights: list,
     return times
 
 
+def per_shape(m: int, qw: list[QuantWeight], best: dict[str, list[float]]) -> str:
+    """GFLOP/s of quant / fp32 for each distinct (N, K, format) at m rows, summed over its
+    layers, with the quant kernel's path."""
+    shapes: dict[tuple[int, int, QuantFormat], list[int]] = {}
+    for i, w in enumerate(qw):
+        shapes.setdefault((w.n, w.k, w.fmt), []).append(i)
+    parts = []
+    for (n, k, fmt), idx in shapes.items():
+        rates = [2 * m * n * k * len(idx) / (sum(best[v][i] for i in idx) * 1e9) for v in ("quant", "fp32")]
+        parts.append(f"{n}x{k} {fmt.name} {rates[0]:.0f}/{rates[1]:.0f} ({cpu_quant.path(fmt, m, k)})")
+    return " | ".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 64, 256])
@@ -67,6 +80,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fmt", default="Q4_1", choices=[f.name for f in QuantFormat])
     ap.add_argument("--isa", choices=cpu_quant.ISAS, help="cap the kernel's path (default: the CPU's best)")
+    ap.add_argument("--per-shape", action="store_true",
+                    help="also print each product's GFLOP/s (quant / fp32) and the quant path it takes")
     args = ap.parse_args()
     if not (cpu_quant.available() and cpu_gemm.available()):
         sys.exit(f"C kernels unavailable: {cpu_quant.unavailable_reason() or cpu_gemm.unavailable_reason()}")
@@ -107,6 +122,8 @@ def main() -> None:
             print(f"{m:>5} | {q:>9.1f} {f:>7.1f} {t:>7.1f} | {qbytes / (q * 1e6):>10.1f} | "
                   f"{flops_per_row * m / (q * 1e6):>13.1f} {flops_per_row * m / (f * 1e6):>5.1f} | "
                   f"{diff:8.1e}", flush=True)
+            if args.per_shape:
+                print("      " + per_shape(m, qw, best))
 
 
 if __name__ == "__main__":
