@@ -161,7 +161,6 @@ INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
  * points at token t's row of the item's first kv head; head hh is hh*head_bytes on. */
 typedef struct {
     int n, NH, G, D, head_bytes, row_bytes;
-    int fits_l2; /* the item's K and V rows fit in half the L2 (see scores_z64) */
 } Item;
 
 /* A cursor over the cache lines of rows[t0:t1] (all NH heads), for spreading prefetches
@@ -674,9 +673,9 @@ INLINE void run_item(const Args *a, int64_t item, const Scratch *w, int dt) {
     const int h0 = (int)(group % per_seq) * a->heads_per_item;
     int t0, t1;
     part_range(a->context_lens[b], (int)(item % a->parts), a->parts, &t0, &t1);
-    const int64_t kv_bytes = 2 * (int64_t)(t1 - t0) * a->heads_per_item * a->D * a->esize;
     const Item it = {t1 - t0, a->heads_per_item, a->H / a->KVH, a->D,
-                     (int)(a->head_stride * a->esize), a->D * a->esize, kv_bytes <= a->l2_half};
+                     (int)(a->head_stride * a->esize), a->D * a->esize};
+    const int fits_l2 = 2 * (int64_t)it.n * it.NH * it.row_bytes <= a->l2_half; /* K and V rows */
     const int NQ = it.NH * it.G, split = a->parts > 1;
     const int64_t q0 = (b * a->H + (int64_t)h0 * it.G) * a->D;
     float *out = split ? a->part_out + item * NQ * a->D : a->out + q0;
@@ -690,7 +689,7 @@ INLINE void run_item(const Args *a, int64_t item, const Scratch *w, int dt) {
     float inv[NQ], mx[NQ];
     row_pointers(a->k, a->k_block_stride, a, bt, h0, t0, t1, w->k_rows);
     row_pointers(a->v, a->v_block_stride, a, bt, h0, t0, t1, w->v_rows);
-    scores_any(&it, a->q + q0, w->k_rows, a->scale, w->s, dt, it.fits_l2 ? w->v_rows : NULL);
+    scores_any(&it, a->q + q0, w->k_rows, a->scale, w->s, dt, fits_l2 ? w->v_rows : NULL);
     if (!use_z64(&it, dt)) values_prefetch_first(&it, w->v_rows);
     if (a->k_scales) {
         token_scales(a->k_scales, a->ks_block_stride, a, bt, h0, it.NH, t0, it.n, w->ks);
