@@ -47,14 +47,17 @@ static TGTV int digits_make(const Args *a, Digits *dg) {
     dg->scale = malloc((size_t)(a->M * kb) * sizeof(float));
     dg->dsum = malloc((size_t)(a->M * kb * 3) * sizeof(int32_t));
     if (!dg->dig || !dg->scale || !dg->dsum) return digits_free(dg), -1;
-    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512 sign = _mm512_set1_ps(-0.0f), big = _mm512_set1_ps(FLT_MAX);
     for (int64_t m = 0; m < a->M; m++)
         for (int64_t b = 0; b < kb; b++) {
             const float *x = a->x + m * a->ldx + b * QK;
             const int64_t at = m * kb + b;
             const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-            if (!(mx <= FLT_MAX)) return digits_free(dg), -1; /* NaN or infinity */
+            const __m512 a0 = _mm512_andnot_ps(sign, x0), a1 = _mm512_andnot_ps(sign, x1);
+            /* NaN or infinity (tested apart: vmaxps may drop a NaN operand) */
+            if (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ))
+                return digits_free(dg), -1;
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
             uint32_t bits;
             memcpy(&bits, &mx, 4);
             int e = (int)(bits >> 23) - 126; /* mx < 2^e (mx = 0: e = -126) */
