@@ -105,7 +105,8 @@ def isa() -> str:
 
 
 # How ``linear`` multiplies (quant_gemm.c's Path): GEMV tiles, or a GEMM.
-PATHS = ("gemv_vnni", "gemv_avx512", "gemv_avx2", "gemm_amx", "gemm_avx512", "gemm_avx2", "gemm_c")
+PATHS = ("gemv_vnni", "gemv_avx512", "gemv_avx2", "gemm_amx", "gemm_avx512", "gemm_avx2", "gemm_c",
+         "gemv_avx2_int")
 
 
 def path(fmt: QuantFormat, m: int, k: int) -> str:

@@ -200,12 +200,33 @@ def vnni_or_skip() -> None:
         pytest.skip("this CPU lacks AVX-512 VNNI + VBMI: no integer GEMV to test")
 
 
+# The two integer GEMVs: (the ISA cap that takes it, its path, the most rows it runs)
+INTEGER_GEMVS = {"vnni": (None, "gemv_vnni", 8), "avx2_int": ("avx2", "gemv_avx2_int", 1)}
+
+
+@pytest.fixture(params=list(INTEGER_GEMVS))
+def integer_gemv(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Runs the test on one integer GEMV (the ISA capped to reach it); yields its most rows."""
+    cap, name, rows = INTEGER_GEMVS[request.param]
+    cpu_quant.set_isa(cap)
+    try:
+        if cpu_quant.path(QuantFormat.Q4_1, 1, 64) != name:
+            pytest.skip(f"this CPU does not run {name}")
+        yield rows
+    finally:
+        cpu_quant.set_isa(None)
+
+
+def row_by_row(x: torch.Tensor, packed: cpu_quant.QuantPacked, rows: int) -> torch.Tensor:
+    """linear over x in slices of at most ``rows`` rows (the integer GEMV's own sizes)."""
+    return torch.cat([cpu_quant.linear(x[i : i + rows], packed, num_threads=2) for i in range(0, len(x), rows)])
+
+
 @pytest.mark.parametrize("fmt", GGUF_FORMATS)
-def test_integer_gemv_is_as_accurate_as_float32(fmt: QuantFormat) -> None:
+def test_integer_gemv_is_as_accurate_as_float32(fmt: QuantFormat, integer_gemv: int) -> None:
     """The integer GEMV rounds x once, to 23 bits of each block's largest |x|: whatever the
     spread of x within a block (outliers, tiny values, zero blocks), every output stays
     within that bound of the exact product, plus float32 rounding of the sums."""
-    vnni_or_skip()
     g = torch.Generator().manual_seed(11)
     w = quantized(fmt, 48, 256, seed=12)
     packed, dense = cpu_quant.pack(w), w.dequantize().double()
@@ -214,7 +235,7 @@ def test_integer_gemv_is_as_accurate_as_float32(fmt: QuantFormat) -> None:
     x[1] *= 1e-30  # tiny, far from 1: the scale is a power of two, not a fixed range
     x[2, 32:64] = 0.0  # an all-zero block
     x[3, ::7] = -x[3, ::7] * 1e-6
-    got = cpu_quant.linear(x, packed, num_threads=2).double()
+    got = row_by_row(x, packed, integer_gemv).double()
     xd = x.double()
     want = xd @ dense.T
     block_max = xd.abs().view(8, -1, 32).amax(-1)  # [M, blocks]
@@ -223,23 +244,46 @@ def test_integer_gemv_is_as_accurate_as_float32(fmt: QuantFormat) -> None:
     assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() / bound).max())
 
 
-def test_integer_gemv_leaves_non_finite_x_to_the_float_path() -> None:
+def test_integer_gemv_leaves_non_finite_x_to_the_float_path(integer_gemv: int) -> None:
     """A NaN or an infinity anywhere in a block (either half of the vectors that find its
-    largest |x|: vmaxps alone may drop a NaN) sends the call to the float GEMV, bit for bit."""
-    vnni_or_skip()
+    largest |x|: vmaxps alone may drop a NaN) sends the call to the float GEMV: no finite
+    output in its row, NaN where the float GEMV has NaN (the VNNI path: the AVX-512 GEMV's
+    very bits; the AVX2 one: the AVX2 float GEMV's, which runs both rows at once)."""
     w = quantized(QuantFormat.Q4_1, 32, 64, seed=13)
     packed = cpu_quant.pack(w)
+    cap = cpu_quant.isa()
+    vnni = cap in ("avx512vnni", "amx")
     for col, bad in [(5, float("nan")), (40, float("inf")), (31, float("nan")), (16, float("-inf")), (9, float("nan"))]:
         x = torch.randn(2, 64, generator=torch.Generator().manual_seed(14))
         x[0, col], x[1, 63 - col] = bad, bad
-        got = cpu_quant.linear(x, packed)
-        cpu_quant.set_isa("avx512")
+        got = row_by_row(x, packed, integer_gemv)
+        cpu_quant.set_isa("avx512" if vnni else "avx2")
         try:
             want = cpu_quant.linear(x, packed)
         finally:
-            cpu_quant.set_isa(None)
+            cpu_quant.set_isa(cap)
         assert not bool(got.isfinite().any()) and torch.equal(got.isnan(), want.isnan()), col
-        assert torch.equal(got[~got.isnan()], want[~want.isnan()]), col
+        assert not vnni or torch.equal(got[~got.isnan()], want[~want.isnan()]), col
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat.Q4_0, QuantFormat.Q4_1])
+def test_avx2_integer_gemv_equals_the_vnni_one_to_the_bit(fmt: QuantFormat) -> None:
+    """Both integer GEMVs write x in the same digits, sum exact integer products and
+    combine the digit sums in float32 in the same order: the same bits, strided x, bias
+    and a partial panel included."""
+    vnni_or_skip()
+    g = torch.Generator().manual_seed(19)
+    w = quantized(fmt, 16 * 4 + 5, 576, seed=20)
+    packed, b = cpu_quant.pack(w), torch.randn(w.n, generator=g)
+    for x in (torch.randn(1, 576, generator=g), torch.randn(2, 600, generator=g)[1:, 7:583]):
+        want = cpu_quant.linear(x, packed, b)
+        cpu_quant.set_isa("avx2")
+        try:
+            assert cpu_quant.path(fmt, 1, 576) == "gemv_avx2_int"
+            got = cpu_quant.linear(x, packed, b)
+        finally:
+            cpu_quant.set_isa(None)
+        assert torch.equal(got, want)
 
 
 def test_each_isa_cap_takes_its_own_paths() -> None:
@@ -248,7 +292,7 @@ def test_each_isa_cap_takes_its_own_paths() -> None:
     by how the core runs a 512-bit FMA), and AMX only under the "amx" cap."""
     allowed = {
         "portable": ({"gemm_c"}, {"gemm_c"}),
-        "avx2": ({"gemv_avx2"}, {"gemm_avx2"}),
+        "avx2": ({"gemv_avx2_int"}, {"gemm_avx2"}),
         "avx512": ({"gemv_avx512"}, {"gemm_avx512", "gemm_avx2"}),
         "avx512vnni": ({"gemv_vnni"}, {"gemm_avx512", "gemm_avx2"}),
         "amx": ({"gemv_vnni"}, {"gemm_amx"}),
@@ -262,6 +306,9 @@ def test_each_isa_cap_takes_its_own_paths() -> None:
             seen += 1
             assert cpu_quant.path(QuantFormat.Q4_1, 1, 64) in few, cap
             assert cpu_quant.path(QuantFormat.Q4_1, 2048, 64) in many, cap
+            if cap == "avx2":  # the integer GEMV only for Q4 at one row
+                assert cpu_quant.path(QuantFormat.Q4_1, 2, 64) == "gemv_avx2"
+                assert cpu_quant.path(QuantFormat.Q8_0, 1, 64) == "gemv_avx2"
     finally:
         cpu_quant.set_isa(None)
     assert seen >= 1  # portable, at least

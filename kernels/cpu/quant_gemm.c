@@ -22,7 +22,9 @@
  * block; Q4_0: - 8d*sum(x)), the block sums of x computed once per call. Each weight byte
  * is read from DRAM once; rows of x in tiles of up to 4 re-read the panel from L1, and a
  * tile converts each weight to float once for all its rows (4 rows cost 2x one row, not 4x:
- * what makes verifying a speculative draft cheap).
+ * what makes verifying a speculative draft cheap). With AVX-512 VNNI (M <= QG_VNNI_MAX),
+ * and on AVX2 alone for Q4 at one row (QG_AVX2_INT_MAX), the weights' integer codes
+ * multiply x's exact integer digits instead (quant_gemm_vnni.h, quant_gemm_avx2_int.h).
  * Larger M: per panel, dequantise it into a float32 [K][16] buffer once (L1/L2), then a
  * 6 x 16 FMA micro-kernel sweeps every row of the M block over it (as packed_gemm.c);
  * with AVX-512, two panels at a time under a 12 x 32 tile (quant_gemm_avx512.h). Where the
@@ -77,6 +79,9 @@
 #endif
 #ifndef QG_VNNI_MAX
 #define QG_VNNI_MAX 8 /* largest M of the integer GEMV (quant_gemm_vnni.h), block formats */
+#endif
+#ifndef QG_AVX2_INT_MAX
+#define QG_AVX2_INT_MAX 1 /* largest M of the AVX2 integer GEMV (quant_gemm_avx2_int.h), Q4 */
 #endif
 #ifndef QG_AMX_MIN
 /* Smallest M of the AMX GEMM (quant_gemm_amx.h), block formats, where the CPU has it: it
@@ -266,15 +271,17 @@ typedef struct {
     int8_t *dig;  /* [M][kb][3][32] */
     float *scale; /* [M][kb] */
     int32_t *dsum; /* [M][kb][3] */
+    int8_t *vec;  /* the AVX2 integer GEMV's digits, [M][kb][24][32] (quant_gemm_avx2_int.h) */
 } Digits;
 
 static void digits_free(Digits *dg) {
-    free(dg->dig), free(dg->scale), free(dg->dsum);
-    dg->dig = NULL, dg->scale = NULL, dg->dsum = NULL;
+    free(dg->dig), free(dg->scale), free(dg->dsum), free(dg->vec);
+    dg->dig = NULL, dg->scale = NULL, dg->dsum = NULL, dg->vec = NULL;
 }
 
 #if QG_X86
 #include "quant_gemm_avx2.h"
+#include "quant_gemm_avx2_int.h"
 #include "quant_gemm_avx512.h"
 #include "quant_gemm_vnni.h"
 #include "quant_gemm_amx.h"
@@ -282,7 +289,7 @@ static void digits_free(Digits *dg) {
 
 /* How one call multiplies: GEMV tiles (integer, AVX-512 or AVX2), or dequantised panels
  * through a micro-kernel (AVX2 or plain C). */
-typedef enum { GEMV_VNNI, GEMV_AVX512, GEMV_AVX2, GEMM_AMX, GEMM_AVX512, GEMM_AVX2, GEMM_C } Path;
+typedef enum { GEMV_VNNI, GEMV_AVX512, GEMV_AVX2, GEMM_AMX, GEMM_AVX512, GEMM_AVX2, GEMM_C, GEMV_AVX2_INT } Path;
 
 /* Whether the CPU runs a 512-bit FMA whole (see QG_GEMV_MAX16): Intel's AVX-512 cores
  * and AMD's from family 0x1A (Zen 5); Zen 4 (0x19) splits it. */
@@ -312,6 +319,7 @@ static Path choose_path(int isa, int fmt, int64_t M, int64_t K) {
     if (isa == ISA_AMX && (fmt != INT8_ROW || K % QK == 0) && M >= QG_AMX_MIN) return GEMM_AMX;
     if (isa >= ISA_AVX512 && whole_512bit_fma()) return M <= QG_GEMV_MAX16_WIDE ? GEMV_AVX512 : GEMM_AVX512;
     if (isa >= ISA_AVX512) return M <= QG_GEMV_MAX16 ? GEMV_AVX512 : GEMM_AVX2; /* see quant_gemm_avx512.h */
+    if (isa >= ISA_AVX2 && (fmt == Q4_0 || fmt == Q4_1) && M <= QG_AVX2_INT_MAX) return GEMV_AVX2_INT;
     if (isa >= ISA_AVX2) return M <= QG_GEMV_MAX ? GEMV_AVX2 : GEMM_AVX2;
     return GEMM_C;
 }
@@ -323,6 +331,7 @@ static void run_panels(const Args *a, const Digits *dg, int64_t p0, int64_t p1, 
     for (int64_t p = p0; path == GEMV_VNNI && p < p1; p++) gemv_panel_vnni(a, dg, p);
     for (int64_t p = p0; path == GEMV_AVX512 && p < p1; p++) gemv_panel_avx512(a, p);
     for (int64_t p = p0; path == GEMV_AVX2 && p < p1; p++) gemv_panel_avx2(a, p);
+    for (int64_t p = p0; path == GEMV_AVX2_INT && p < p1; p++) gemv_panel_avx2_int(a, dg, p);
 #else
     (void)dg, (void)xp;
 #endif
@@ -430,7 +439,7 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
     if (M == 0 || N == 0) return 0;
     Args a = {fmt, packed, x, bias, NULL, y, ldx, ldy, M, N, K, panel_bytes(fmt, K)};
     Path path = choose_path(use_isa(), fmt, M, K);
-    Digits dg = {NULL, NULL, NULL};
+    Digits dg = {NULL, NULL, NULL, NULL};
 #if QG_X86
     if (path == GEMV_VNNI && digits_make(&a, &dg) != 0) path = choose_path(ISA_AVX512, fmt, M, K);
     if (path == GEMM_AMX) {
@@ -439,7 +448,7 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
         path = choose_path(ISA_AVX512, fmt, M, K); /* x is not finite: the float path */
     }
 #endif
-    const int gemv = path == GEMV_VNNI || path == GEMV_AVX512 || path == GEMV_AVX2;
+    const int gemv = path == GEMV_VNNI || path == GEMV_AVX512 || path == GEMV_AVX2 || path == GEMV_AVX2_INT;
     float *sx = NULL;
     if (gemv && (fmt == Q4_0 || fmt == Q4_1) && K > 0 && !(sx = block_sums(&a))) {
         digits_free(&dg);
@@ -466,9 +475,15 @@ int quant_linear(int fmt, const float *x, long ldx, const uint8_t *packed, const
         }
 #endif
         float *buf = gemv ? NULL : malloc((size_t)(2 * K * NR + 16) * sizeof(float)); /* two panels */
+        Path mine = path;
+        Digits own = {NULL, NULL, NULL, NULL}; /* the AVX2 integer GEMV's, this thread's own */
+#if QG_X86
+        if (mine == GEMV_AVX2_INT && p0 < p1 && digit_vectors_make(&a, &own) != 0) mine = GEMV_AVX2; /* x not finite */
+#endif
         if (!gemv && !buf) rc = -3;
-        else if (p0 < p1) run_panels(&a, &dg, p0, p1, path, buf, xp);
+        else if (p0 < p1) run_panels(&a, mine == GEMV_AVX2_INT ? &own : &dg, p0, p1, mine, buf, xp);
         free(buf);
+        digits_free(&own);
     }
     free(xp);
     free(sx);
