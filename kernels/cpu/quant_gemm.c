@@ -60,9 +60,13 @@
 #define QK 32 /* columns per block */
 #define MR 6  /* rows of x per tile of the panel GEMM */
 #ifndef QG_GEMV_MAX
-/* Largest M run by the GEMV path. Measured with 4-row tiles, 2 threads (SmolLM2's shapes):
- * 1.2-1.3x dequantise + GEMM at M 12-16, 1.05-1.1x at 20-24, even at 32. */
-#define QG_GEMV_MAX 24
+/* Largest M run by the AVX2 GEMV path. At 24 when first measured (4-row tiles, 2 threads,
+ * SmolLM2's shapes, 2026-12-03: 1.2-1.3x dequantise + GEMM at M 12-16); against today's
+ * GEMM, on a Zen 2 VM (the 30 Q4_1 layers from DRAM, 2 threads, a C harness, two rounds):
+ * M 8 13.9-14.0 ms against 18.8-18.9, 10 17.9-18.2 against 19.0-19.3, 12 20.3-20.4
+ * against 20.5-20.6, 14 24.3-24.4 against 23.6, 16 26.8-27.1 against 25.1-25.2, 20
+ * 33.4-33.5 against 28.8-29.8, 24 39.4-39.7 against 33.0-33.2. Not re-measured on Zen 3. */
+#define QG_GEMV_MAX 12
 #endif
 /* The same for the AVX-512 path (see quant_gemm_avx512.h), by how the core runs a 512-bit
  * FMA. Split in two 256-bit halves (Zen 4): these tiles beat dequantise + GEMM up to 128
