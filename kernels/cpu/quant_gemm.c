@@ -278,6 +278,20 @@ typedef struct {
     int8_t *vec;  /* the AVX2 integer GEMV's digits, [M][kb][24][32] (quant_gemm_avx2_int.h) */
 } Digits;
 
+/* A block's scale s = 2^(E - 22), E the least with 2^E > mx (its largest |x|; E >= -100,
+ * so that tiny blocks keep normal floats), and *up = 1/s: x * up is exact and rounds to
+ * the block's 23-bit integer X (quant_gemm_vnni.h). */
+static float digit_scale(float mx, float *up) {
+    uint32_t bits;
+    memcpy(&bits, &mx, 4);
+    int e = (int)(bits >> 23) - 126; /* mx < 2^e (mx = 0: e = -126) */
+    e = e < -100 ? -100 : e;
+    const uint32_t up_bits = (uint32_t)(127 + 22 - e) << 23, s_bits = (uint32_t)(127 + e - 22) << 23;
+    float s;
+    memcpy(up, &up_bits, 4), memcpy(&s, &s_bits, 4);
+    return s;
+}
+
 static void digits_free(Digits *dg) {
     free(dg->dig), free(dg->scale), free(dg->dsum), free(dg->vec);
     dg->dig = NULL, dg->scale = NULL, dg->dsum = NULL, dg->vec = NULL;

@@ -63,14 +63,8 @@ static TGT int digit_vectors_make(const Args *a, Digits *dg) {
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
             const float mx = _mm_cvtss_f32(m4);
-            uint32_t bits;
-            memcpy(&bits, &mx, 4);
-            int e = (int)(bits >> 23) - 126; /* mx < 2^e (mx = 0: e = -126) */
-            e = e < -100 ? -100 : e;
-            const uint32_t up_bits = (uint32_t)(127 + 22 - e) << 23, s_bits = (uint32_t)(127 + e - 22) << 23;
-            float up, sc;
-            memcpy(&up, &up_bits, 4), memcpy(&sc, &s_bits, 4);
-            dg->scale[at] = sc;
+            float up;
+            dg->scale[at] = digit_scale(mx, &up);
             const __m256 vup = _mm256_set1_ps(up);
             __m256i d3[3][4]; /* digit g of x[8h .. 8h+8) as int32 */
             for (int h = 0; h < 4; h++) {

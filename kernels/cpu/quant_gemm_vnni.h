@@ -58,14 +58,8 @@ static TGTV int digits_make(const Args *a, Digits *dg) {
             if (_mm512_cmp_ps_mask(a0, big, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, big, _CMP_NLE_UQ))
                 return digits_free(dg), -1;
             const float mx = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-            uint32_t bits;
-            memcpy(&bits, &mx, 4);
-            int e = (int)(bits >> 23) - 126; /* mx < 2^e (mx = 0: e = -126) */
-            e = e < -100 ? -100 : e;
-            const uint32_t up_bits = (uint32_t)(127 + 22 - e) << 23, s_bits = (uint32_t)(127 + e - 22) << 23;
-            float up, sc;
-            memcpy(&up, &up_bits, 4), memcpy(&sc, &s_bits, 4);
-            dg->scale[at] = sc;
+            float up;
+            dg->scale[at] = digit_scale(mx, &up);
             const __m512 vup = _mm512_set1_ps(up);
             int8_t *dig = dg->dig + at * 3 * QK;
             __m512i sum[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
