@@ -48,7 +48,7 @@ from services.router.policies import (
 )
 from services.router.prefix_index import PrefixIndex
 from services.router.registry import Registry, WorkerInfo
-from services.router.service import RouterService, RouterSettings
+from services.router.service import BEHIND_AT_MOST_S, RouterService, RouterSettings
 
 BS = 4
 PROMPT = list(range(100, 116))  # 16 tokens: four full blocks of BS
@@ -920,6 +920,54 @@ def test_a_heartbeat_keeps_a_worker_past_the_timeout(clock):
         assert (await c.status(gw)).prefill_workers == 1
 
     body()
+
+
+def test_heartbeats_still_unread_are_not_silence(clock):
+    """A router behind on its socket (overloaded) measures silence up to when it last had
+    read everything, not up to now: it used to declare live workers dead by the hundred
+    while their heartbeats waited in its queue. Never more than ``BEHIND_AT_MOST_S`` back,
+    so a router that stays behind still finds the dead."""
+    async def main():
+        service = RouterService(RouterSettings(bind="tcp://127.0.0.1:0", metrics_port=0,
+                                               heartbeat_timeout=5.0, startup_grace=0.0),
+                                clock=clock.monotonic)
+        ctx = zmq.asyncio.Context()
+        w1, w2 = Peer(ctx, service.address, "w1"), Peer(ctx, service.address, "w2")
+
+        async def read_waiting() -> None:  # what the router's loop does when its poll wakes
+            assert await service.sock.poll(TIMEOUT * 1000)
+            await service._handle_waiting()
+
+        def alive() -> set[str]:
+            return set(service.registry.workers)
+
+        try:
+            for w in (w1, w2):
+                await w.send(register(w.id))
+                await read_waiting()
+                assert await w.expect(Registered) == Registered(w.id)
+            await w1.send(Heartbeat("w1", 0, 0, 100, 100))  # left unread: the router is busy
+            clock.now += 6.0
+            await service._maintain_once()
+            assert alive() == {"w1", "w2"}  # 6 s by the clock, but the router is behind
+            await read_waiting()  # caught up: w1's beat is read, and w2 has sent nothing
+            await service._maintain_once()
+            assert alive() == {"w1"}
+            await w1.send(Heartbeat("w1", 0, 0, 100, 100))  # unread again ...
+            clock.now += BEHIND_AT_MOST_S + 4.0
+            await service._maintain_once()
+            assert alive() == {"w1"}  # judged as of 30 s ago: 4 s after its beat was read
+            clock.now += 2.0
+            await service._maintain_once()
+            assert alive() == set()  # ... and now 6 s: behind for too long, it is dead
+        finally:
+            for w in (w1, w2):
+                w.sock.close(linger=0)
+            ctx.term()
+            service.sock.close(linger=0)
+            service._ctx.term()
+
+    asyncio.run(main())
 
 
 @serve()
