@@ -34,7 +34,7 @@ from common.engine.engine import Engine
 from common.protocol import Abort, KVAck, KVHandoff, Register, Task, decode, encode
 from common.roles import WorkerRole
 from common.sampling_params import SamplingParams
-from common.shared_memory import MEMFD_NAME, PeerSegments, SharedSegment
+from common.shared_memory import HEADER_BYTES, HUGE_PAGE, MEMFD_NAME, PeerSegments, SharedSegment
 from services.worker import WorkerService
 from services.worker_settings import WorkerSettings, shared_kv
 from tests.cluster import Cluster, TokenIds, readable_prompt, wait_for
@@ -171,6 +171,37 @@ sender.send(sys.argv[1], header("doomed", 2), [memoryview(r.numpy()) for r in ro
 print("sent", flush=True)
 time.sleep(600)
 """
+
+
+def resident_bytes(address: int) -> int:
+    """The resident bytes of the mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and ":" not in first:  # a mapping's header: start-end perms ...
+            start, end = (int(x, 16) for x in first.split("-"))
+            inside = start <= address < end
+        elif inside and first == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_peer_segment_is_mapped_as_its_blocks_are_read():
+    """A receiver maps a peer's segment without reading it in: its pages come in as blocks
+    are copied. Mapped with MAP_POPULATE, a decode worker's first transfer from a prefill
+    worker brought in the whole cache (2 GB) at once, holding the interpreter lock: 5-9 s on
+    a slow VM, its requests stalled and its heartbeats missed (the router declared it dead)."""
+    seg = SharedSegment(64 * 2**20)
+    peers = PeerSegments()
+    try:
+        [block] = peers.blocks(seg.ref, [HEADER_BYTES + 32 * 2**20], BLOCK)
+        address = np.frombuffer(block, np.uint8).ctypes.data
+        assert resident_bytes(address) <= 2 * HUGE_PAGE  # the header's page (a huge one at most)
+        assert bytes(block) == bytes(BLOCK)  # a fresh segment reads as zeros
+        assert resident_bytes(address) <= 4 * HUGE_PAGE  # and the block's
+        del block
+    finally:
+        peers.close()
 
 
 def test_a_killed_sender_leaves_the_receiver_working_and_nothing_behind(segment):
