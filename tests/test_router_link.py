@@ -14,7 +14,7 @@ from common.addresses import free_port
 from common.hashing import hash_prefix_blocks
 from common.protocol import Admitted, Ping, Queued, Status, Submit, decode, encode
 from common.sampling_params import SamplingParams
-from services.gateway.router_link import REACH_S, RouterLink, RouterUnavailable
+from services.gateway.router_link import ACK_S, REACH_S, RouterLink, RouterUnavailable
 from tests.conftest import ManualClock
 
 
@@ -112,3 +112,49 @@ def test_the_link_learns_the_block_size_and_hashes_the_prompt_in_it():
 
     asyncio.run(main())
 
+
+
+def test_a_router_behind_on_its_socket_gets_no_resends_and_a_lost_submit_is_sent_again():
+    """Unacknowledged for ACK_S, a Submit used to be sent again every second, even to a
+    router that was only behind (overloaded) and still answering what came before it: a
+    retry storm. Now it waits while the router answers earlier messages, and is sent again
+    when the router answers a later one (so it was lost: the connection keeps order)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    params = SamplingParams(max_tokens=2)
+    gap = ACK_S * 0.4  # between two acks: each well within ACK_S, all five past it
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)
+        link = RouterLink(address, "tcp://127.0.0.1:0")
+        link.start()
+        try:
+            ids = [f"r{i}" for i in range(5)]
+            pending = []
+            for request_id in ids:  # one at a time, so they go out in this order
+                pending.append(asyncio.create_task(link.submit(request_id, [1, 2, 3], params, timeout=30.0)))
+                gateway, submit = await _next_submit(router)
+                assert submit.request_id == request_id
+            for request_id in ids:  # a slow router: it answers them in order, one per gap
+                await asyncio.sleep(gap)
+                await router.send_multipart([gateway, encode(Admitted(request_id))])
+            await asyncio.wait_for(asyncio.gather(*pending), 30)
+            while await router.poll(0):  # nothing was sent again (Pings asking the block size aside)
+                assert isinstance(decode((await router.recv_multipart())[1]), Ping)
+            # Lost: the router answers a later Submit (r6) first; r5 is sent again.
+            lost = asyncio.create_task(link.submit("r5", [1, 2, 3], params, timeout=30.0))
+            assert (await _next_submit(router))[1].request_id == "r5"
+            later = asyncio.create_task(link.submit("r6", [1, 2, 3], params, timeout=30.0))
+            assert (await _next_submit(router))[1].request_id == "r6"
+            await router.send_multipart([gateway, encode(Admitted("r6"))])
+            await asyncio.wait_for(later, 30)
+            assert (await _next_submit(router))[1].request_id == "r5"  # the resend
+            await router.send_multipart([gateway, encode(Admitted("r5"))])
+            await asyncio.wait_for(lost, 30)
+        finally:
+            await link.close()
+            router.close(linger=0)
+            ctx.term()
+
+    asyncio.run(main())

@@ -49,6 +49,11 @@ CONNECT_GRACE_MS = 1000  # how long a message waits for the router's connection 
 # covers a supervised router restart, and then the request fails with a 503. Once the
 # router has been out of reach for that long already, a new request is tried once and then
 # refused, instead of each waiting out another window of a long outage.
+# A router that is only behind (overloaded) is told apart from one that lost the Submit:
+# while it answers messages sent before the Submit, it has yet to read it, and sending it
+# again would only add to its backlog (every Submit once a second, a retry storm). It is
+# sent again when the router answered a message sent after it (lost: the connection is in
+# order), or said nothing at all for ACK_S (dead, or restarted).
 ACK_S = 1.0
 REACH_S = 10.0
 # A request the router has queued (``Queued``) lives only in that router's memory: the
@@ -99,6 +104,12 @@ class RouterLink:
         self.last_status: Status | None = None
         self._status_refresh: asyncio.Task | None = None  # a ping to learn the block size
         self._status_asked = -STATUS_REFRESH_S
+        # Every message to the router is numbered as sent; ``_answered`` is the highest
+        # number the router has answered (a Submit's ack, a Ping's Status, a Survey's
+        # Roster): how far it has read, for telling "behind" from "lost" (see ACK_S).
+        self._sent = 0
+        self._answered = 0
+        self._asked: dict[tuple[str, object], int] = {}  # (kind, request id or nonce) -> number
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read(self._router)),
@@ -160,12 +171,13 @@ class RouterLink:
         fut = asyncio.get_running_loop().create_future()
         self._pings[nonce] = fut
         try:
-            await self._send(Ping(nonce))
+            self._asked["nonce", nonce] = await self._send(Ping(nonce))
             status = await asyncio.wait_for(fut, timeout)
         except (RouterUnavailable, TimeoutError):
             return None
         finally:
             self._pings.pop(nonce, None)
+            self._asked.pop(("nonce", nonce), None)
         self.last_status = status
         return status
 
@@ -176,12 +188,14 @@ class RouterLink:
         fut = asyncio.get_running_loop().create_future()
         self._surveys[nonce] = fut
         try:
-            await self._send(Survey(nonce), grace_ms=min(CONNECT_GRACE_MS, timeout * 1000))
+            self._asked["nonce", nonce] = await self._send(
+                Survey(nonce), grace_ms=min(CONNECT_GRACE_MS, timeout * 1000))
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise RouterUnavailable(f"the router did not answer within {timeout:g} s") from None
         finally:
             self._surveys.pop(nonce, None)
+            self._asked.pop(("nonce", nonce), None)
 
     def _block_size(self) -> int | None:
         """The block size a Submit hashes its prompt in: the prefill workers' as the last
@@ -222,24 +236,44 @@ class RouterLink:
         away = self.unreachable_for()
         reach = self._reach_s
         give_up = self._clock() + (reach if away is None or away < reach else 0.0)
-        while True:
-            try:
-                await self._send(submit)
-                await asyncio.wait_for(asyncio.shield(heard), ACK_S)
-                return
-            except (RouterUnavailable, TimeoutError):
-                if self._clock() >= give_up:
-                    raise RouterUnavailable("the router did not acknowledge the request") from None
-            log.info("resending %s: the router has not acknowledged it", submit.request_id)
+        key = ("submit", submit.request_id)
+        try:
+            while True:
+                try:
+                    number = self._asked[key] = await self._send(submit)
+                    await self._acknowledged(heard, number, give_up)
+                    return
+                except (RouterUnavailable, TimeoutError):
+                    if self._clock() >= give_up:
+                        raise RouterUnavailable("the router did not acknowledge the request") from None
+                log.info("resending %s: the router has not acknowledged it", submit.request_id)
+        finally:
+            self._asked.pop(key, None)
 
-    async def _send(self, msg: Message, grace_ms: float = CONNECT_GRACE_MS) -> None:
-        """To the router, once connected; the grace covers a connection still being made."""
+    async def _acknowledged(self, heard: asyncio.Future[None], number: int, give_up: float) -> None:
+        """Wait for the ack of message ``number``: TimeoutError once it looks lost (see
+        ACK_S); while the router keeps answering earlier messages, it is behind: wait on
+        (until ``give_up``)."""
+        while True:
+            answered = self._answered
+            try:
+                return await asyncio.wait_for(asyncio.shield(heard), ACK_S)
+            except TimeoutError:
+                behind = answered < self._answered < number
+                if not behind or self._clock() >= give_up:
+                    raise
+
+    async def _send(self, msg: Message, grace_ms: float = CONNECT_GRACE_MS) -> int:
+        """To the router, once connected (the grace covers a connection still being made);
+        returns the message's number."""
         if not await self._router.poll(grace_ms, zmq.POLLOUT):
             if self._unreachable_since is None:
                 self._unreachable_since = self._clock()
             raise RouterUnavailable("the router is not reachable")
         self._unreachable_since = None
         await self._router.send(encode(msg))
+        self._sent += 1
+        return self._sent
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         """One frame at a time, for good: whatever a frame holds, the loop goes on (if it
@@ -265,6 +299,7 @@ class RouterLink:
             if channel is not None:
                 channel.put_nowait(msg)
         elif isinstance(msg, Queued | Admitted | Rejected):
+            self._answer(("submit", msg.request_id))
             heard = self._acks.get(msg.request_id)
             if heard is not None and not heard.done():
                 heard.set_result(None)
@@ -274,7 +309,14 @@ class RouterLink:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif isinstance(msg, Status | Roster):
+            self._answer(("nonce", msg.nonce))
             waiting = self._pings if isinstance(msg, Status) else self._surveys
             fut = waiting.get(msg.nonce)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+
+    def _answer(self, key: tuple[str, object]) -> None:
+        """The router answered the message ``key`` names: it has read that far."""
+        number = self._asked.get(key)
+        if number is not None and number > self._answered:
+            self._answered = number
