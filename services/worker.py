@@ -77,6 +77,14 @@ IDLE_POLL_MS = 5  # for a receiver that cannot wake the poller (UCX's own thread
 # this often. Spinning took a core from the decode worker beside it: at c16 on 2 vCPUs the
 # prefill worker burnt 27-36 s of CPU in a 50-s run, and P/D served 0.4-0.5x colocated.
 ACK_POLL_MS = 1
+# A Reregister that arrives while our Register, sent less than this ago, is unanswered was
+# sent before the router read that Register (the router answers ``Registered`` first, on the
+# same connection): it is ignored. A worker frozen past its heartbeat timeout woke to one
+# Reregister per second of its frozen heartbeats and registered once for each; to the router
+# each Register after the first is a restart, so it failed what it had placed in between
+# (under `loadtest/chaos.py`: three in a row, two streams failed). Unanswered for longer,
+# the Register went to a router that died: the next Reregister is obeyed.
+REGISTER_ANSWER_S = 5.0
 
 
 class WorkerService:
@@ -127,6 +135,7 @@ class WorkerService:
         self._stopping = False
         self.drain = DrainState(settings.drain_timeout)
         self._registered = False  # the router answered our latest Register
+        self._register_sent = 0.0  # when we sent it (time.monotonic)
         self._left = False  # Deregister sent: flush the socket on close
 
     def _connector_error(self, kind: str, detail: str) -> None:
@@ -264,6 +273,9 @@ class WorkerService:
             elif isinstance(msg, Abort):
                 self._guarded("abort", None, None, lambda m=msg: self._on_abort(m.request_id))
             elif isinstance(msg, Reregister):
+                if self._register_pending():
+                    log.info("a Reregister sent before the router read our Register: ignored")
+                    continue
                 self._guarded("reregister", None, None, lambda m=msg: self._rejoin(m.lost_work))
             elif isinstance(msg, Registered):
                 self._registered = msg.worker_id == self.s.worker_id
@@ -341,9 +353,14 @@ class WorkerService:
 
     # ---- reporting ------------------------------------------------------------------
 
+    def _register_pending(self) -> bool:
+        """Our latest Register is unanswered and recent (see REGISTER_ANSWER_S)."""
+        return not self._registered and time.monotonic() - self._register_sent < REGISTER_ANSWER_S
+
     def _register(self) -> None:
         e = self.engine
         self._registered = False  # until the router answers this one
+        self._register_sent = time.monotonic()
         self._send_router(Register(
             self.s.worker_id, self.s.role, self.kv_address,
             f"http://{self.s.advertise_host}:{self.http.port}/metrics", e.stats().num_blocks,

@@ -15,6 +15,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import services.worker as worker_module
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from common.connector import make_receiver, make_sender
 from common.engine.engine import Engine
@@ -29,6 +30,7 @@ from common.protocol import (
     Message,
     ProtocolError,
     Register,
+    Registered,
     Reregister,
     Task,
     Tokens,
@@ -433,6 +435,7 @@ def test_protocol_errors_are_value_errors_the_cli_reports():
 
 @pytest.mark.parametrize("lost_work", [False, True])
 def test_a_reregister_keeps_or_drops_the_work_as_the_router_says(colocated: Harness, lost_work):
+    colocated.send(Registered(colocated.worker.s.worker_id))
     colocated.send(Task.of("r", PROMPT, replace(GREEDY, max_tokens=200), colocated.reply_to))
     colocated.run_until(lambda: len(colocated.output("r")) >= 2)
     colocated.send(Reregister(colocated.worker.s.worker_id, lost_work=lost_work))
@@ -443,6 +446,30 @@ def test_a_reregister_keeps_or_drops_the_work_as_the_router_says(colocated: Harn
     else:  # a restarted router: r goes on to its end
         colocated.run_until(lambda: len(colocated.output("r")) == 200)
     colocated.assert_idle()
+
+
+def test_reregisters_sent_before_the_router_read_our_register_make_one_register(colocated: Harness,
+                                                                               monkeypatch):
+    """A worker frozen past its heartbeat timeout wakes to a Reregister for each second the
+    router heard its heartbeats unregistered. It registers once: to the router a second
+    Register is a restart, which fails what it placed on the worker in between."""
+    worker_id = colocated.worker.s.worker_id
+    registers = lambda: sum(isinstance(m, Register) for m in colocated.from_worker)  # noqa: E731
+    colocated.send(Registered(worker_id))
+    colocated.send(Task.of("r", PROMPT, replace(GREEDY, max_tokens=200), colocated.reply_to))
+    colocated.run_until(lambda: len(colocated.output("r")) >= 2)
+    for _ in range(3):
+        colocated.send(Reregister(worker_id, lost_work=True))
+    colocated.run_until(lambda: registers() == 1 and colocated.worker.engine.stats().num_running == 0)
+    colocated.send(Registered(worker_id))  # the router read the one Register
+    assert colocated.serve_one("placed after") and registers() == 1
+    colocated.send(Reregister(worker_id, lost_work=False))  # answered: a new question
+    colocated.run_until(lambda: registers() == 2)
+    # Unanswered for longer than REGISTER_ANSWER_S (here: at once), a Register went to a
+    # router that died: its successor's Reregister is obeyed.
+    monkeypatch.setattr(worker_module, "REGISTER_ANSWER_S", 0.0)
+    colocated.send(Reregister(worker_id, lost_work=False))
+    colocated.run_until(lambda: registers() == 3)
 
 
 def test_a_structured_output_failure_fails_its_request_alone(colocated: Harness, monkeypatch):
