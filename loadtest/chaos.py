@@ -88,11 +88,14 @@ class Cluster:
         m = re.search(r"-m cli (\w+)", args)
         return m.group(1) if m else None
 
-    def signal(self, role: str, name: str) -> int:
+    def signal(self, role: str, name: str) -> int | None:
+        """Signal the first child in ``role``; None if none runs now (being restarted)."""
         if name == "SIGCONT":
-            pid = self.stopped.pop(role)
+            pid = self.stopped.pop(role, None)
         else:
-            pid = next(p for p, a in self.children().items() if self.role(a) == role)
+            pid = next((p for p, a in self.children().items() if self.role(a) == role), None)
+        if pid is None:
+            return None
         os.kill(pid, getattr(signal, name))
         if name == "SIGSTOP":
             self.stopped[role] = pid
