@@ -172,7 +172,10 @@ class Load:
         for i in itertools.count():
             if not self.running:
                 return
-            self.outcomes[await self.stream(client, f"{k}-{i}")] += 1
+            outcome = await self.stream(client, f"{k}-{i}")
+            self.outcomes[outcome] += 1
+            if outcome.startswith("transport"):  # the gateway is down: let it restart
+                await asyncio.sleep(0.1)
 
     async def attacker(self, client: httpx.AsyncClient) -> None:
         while self.running:
