@@ -36,6 +36,10 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
+
+from loadtest.children import wait_answering
+from loadtest.router_metrics import scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "http://127.0.0.1:8000"
@@ -79,9 +83,7 @@ class Cluster:
 
     def children(self) -> dict[int, str]:
         """pid -> command line of each child of the launcher."""
-        out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
-        rows = (line.split(None, 2) for line in out.splitlines()[1:])
-        return {int(pid): args for pid, ppid, args in rows if int(ppid) == self.proc.pid}
+        return {c.pid: " ".join(c.cmdline()) for c in psutil.Process(self.proc.pid).children()}
 
     @staticmethod
     def role(args: str) -> str | None:
@@ -118,16 +120,11 @@ class Cluster:
             return None
 
 
-def wait_ready(deadline_s: float = 300) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < deadline_s:
-        try:
-            if httpx.get(BASE + "/ready", timeout=2).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the cluster did not become ready")
+def ready() -> bool | None:
+    try:
+        return httpx.get(BASE + "/ready", timeout=2).status_code == 200 or None
+    except httpx.HTTPError:
+        return None
 
 
 class Load:
@@ -229,8 +226,8 @@ def gauges_at_idle(cluster: Cluster, deadline_s: float = 60) -> dict[str, list[f
     while True:
         values = {}
         for name, port in cluster.metrics_ports().items():
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-            values[name] = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(names)]
+            samples = scrape(f"http://127.0.0.1:{port}/metrics").samples
+            values[name] = [v for key, v in samples.items() if key.startswith(names)]
         if all(v == 0 for vs in values.values() for v in vs) or time.monotonic() > end:
             return values
         time.sleep(1)
@@ -246,7 +243,9 @@ def main() -> None:
     args = p.parse_args()
     cluster = Cluster(args.up_flags or ["--prefill", "1", "--decode", "2"], args.log)
     try:
-        print(f"ready in {wait_ready():.1f} s")
+        start = time.monotonic()
+        wait_answering(cluster.proc, ready, "cluster", timeout=300)
+        print(f"ready in {time.monotonic() - start:.1f} s")
         load = Load(args.long)
         asyncio.run(run_load(cluster, load, args.plan, args.duration))
         print("requests:", dict(load.outcomes.most_common()))

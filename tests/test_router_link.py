@@ -5,6 +5,7 @@ outage is older than that), and that a router back on its address is used at onc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import zmq
@@ -60,6 +61,22 @@ def test_a_long_outage_refuses_a_new_request_after_one_try_and_a_returning_route
 
 
 
+@contextlib.asynccontextmanager
+async def link_and_router(address: str):
+    """A started RouterLink and a bare ROUTER socket on ``address`` playing the router."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(address)
+    link = RouterLink(address, "tcp://127.0.0.1:0")
+    link.start()
+    try:
+        yield link, router
+    finally:
+        await link.close()
+        router.close(linger=0)
+        ctx.term()
+
+
 async def _next_submit(router: zmq.asyncio.Socket) -> tuple[bytes, Submit]:
     """The next Submit the router socket reads, past any Ping (the link asking for the
     block size: left unanswered)."""
@@ -77,12 +94,7 @@ def test_the_link_learns_the_block_size_and_hashes_the_prompt_in_it():
     params = SamplingParams(max_tokens=2)
 
     async def main():
-        ctx = zmq.asyncio.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.bind(address)
-        link = RouterLink(address, "tcp://127.0.0.1:0")
-        link.start()
-        try:
+        async with link_and_router(address) as (link, router):
             # Block size unknown: the Submit goes unhashed (the router hashes it) and sets
             # off a Ping; the two may arrive in either order.
             pending = asyncio.create_task(link.submit("r1", prompt, params, timeout=5.0))
@@ -105,13 +117,8 @@ def test_the_link_learns_the_block_size_and_hashes_the_prompt_in_it():
             assert (submit.block_size, submit.block_hashes) == (8, hash_prefix_blocks(prompt, 8))
             await router.send_multipart([gateway, encode(Admitted("r2"))])
             await asyncio.wait_for(pending, 30)
-        finally:
-            await link.close()
-            router.close(linger=0)
-            ctx.term()
 
     asyncio.run(main())
-
 
 
 def test_a_router_behind_on_its_socket_gets_no_resends_and_a_lost_submit_is_sent_again():
@@ -124,12 +131,7 @@ def test_a_router_behind_on_its_socket_gets_no_resends_and_a_lost_submit_is_sent
     gap = ACK_S * 0.4  # between two acks: each well within ACK_S, all five past it
 
     async def main():
-        ctx = zmq.asyncio.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.bind(address)
-        link = RouterLink(address, "tcp://127.0.0.1:0")
-        link.start()
-        try:
+        async with link_and_router(address) as (link, router):
             ids = [f"r{i}" for i in range(5)]
             pending = []
             for request_id in ids:  # one at a time, so they go out in this order
@@ -152,9 +154,5 @@ def test_a_router_behind_on_its_socket_gets_no_resends_and_a_lost_submit_is_sent
             assert (await _next_submit(router))[1].request_id == "r5"  # the resend
             await router.send_multipart([gateway, encode(Admitted("r5"))])
             await asyncio.wait_for(lost, 30)
-        finally:
-            await link.close()
-            router.close(linger=0)
-            ctx.term()
 
     asyncio.run(main())
