@@ -118,6 +118,8 @@ def test_the_native_build_takes_the_avx512_path_exactly_where_the_cpu_has_it() -
     (100, 100, 8, 1, 128),
     (13, 13, 4, 4, 64),
     (40, 70, 7, 7, 64),
+    (300, 700, 9, 3, 64),  # many row tiles after a prefix: diagonal tiles, maxima rising tile by tile
+    (33, 90, 4, 2, 128),
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prefill_kernel_matches_the_reference(new, context, heads, kv_heads, dim, threads) -> None:
