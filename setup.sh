@@ -39,6 +39,8 @@ from kernels import cpu_attention, cpu_gemm, cpu_ops
 print("tandem: default model at", resolve_model(None).directory)
 for name, kernel in (("attention", cpu_attention), ("GEMM", cpu_gemm), ("elementwise", cpu_ops)):
     print(f"tandem: CPU {name} kernel", "ready" if kernel.available() else "unavailable (torch fallback)")
+print("tandem: CPU prefill attention kernel",
+      "ready" if cpu_attention.prefill_available() else "not used on this CPU (AVX-512 only): torch's SDPA")
 PY
 # --dev: Debian's chromium, for the dashboard's browser test (tests/test_dashboard.py).
 if $dev && ! command -v chromium >/dev/null; then

@@ -1,18 +1,18 @@
-"""Loader and launcher of the fused CPU paged decode attention kernel.
+"""Loaders and launchers of the CPU paged attention kernels: decode and prefill.
 
-Owns ``kernels/cpu/paged_attention.c``: building it on first use (one build per cache
-dtype, about a second each; the compile-and-cache mechanism, its cache dir and build key
-are ``kernels.cpu_build``'s), loading it with ctypes, and the checked Python entry point
-``paged_decode_attention``, whose semantics are those of
+Owns ``kernels/cpu/paged_attention.c`` (decode): building it on first use (one build per
+cache dtype, about a second each; the compile-and-cache mechanism, its cache dir and build
+key are ``kernels.cpu_build``'s), loading it with ctypes, and the checked Python entry
+point ``paged_decode_attention``, whose semantics are those of
 ``kernels.reference.paged_decode_attention`` for a float32 query and a float32, float16
 or bfloat16 cache, and ``paged_decode_attention_quantized``, those of
 ``kernels.kv_quant.paged_decode_attention`` for an int8 / fp8 cache (codes read and scaled
 in registers). ``available()`` says whether the kernel could be built here; when it
 cannot, callers use the torch path.
 
-``paged_prefill_attention`` is the causal attention of one sequence's prefill chunk over
-its float32 cache, on AVX-512 builds (``prefill_available()``); elsewhere callers use
-torch's SDPA.
+Owns ``kernels/cpu/prefill_attention.c`` too: ``paged_prefill_attention`` is the causal
+attention of one sequence's prefill chunk over its float32 cache, on AVX-512 builds
+(``prefill_available()``); elsewhere callers use torch's SDPA.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from kernels.cpu_build import CFLAGS, LIBS, build_key, cache_dir, openmp_runtime
 from kernels.kv_quant import KVQuant, QuantizedCache
 
 __all__ = [
-    "CFLAGS", "LIBS", "SOURCE", "available", "bind", "build_flags", "build_key", "cache_dir", "entry_point",
-    "library_path", "openmp_runtimes", "paged_decode_attention",
+    "CFLAGS", "LIBS", "PREFILL_SOURCE", "SOURCE", "available", "bind", "build_flags", "build_key",
+    "cache_dir", "entry_point", "library_path", "openmp_runtimes", "paged_decode_attention",
     "paged_decode_attention_quantized", "paged_prefill_attention", "prefill_available",
-    "prefill_supports", "prefill_unavailable_reason",
-    "unavailable_reason",
+    "prefill_library_path", "prefill_supports", "prefill_unavailable_reason", "unavailable_reason",
 ]  # fmt: skip
 
 SOURCE = Path(__file__).parent / "cpu" / "paged_attention.c"
+PREFILL_SOURCE = Path(__file__).parent / "cpu" / "prefill_attention.c"
 
 # Cache element type -> (suffix of the C entry point, -DPA_DTYPE code). Each type is a
 # separate build (about a second of gcc), made the first time a cache of that type is seen.
@@ -90,9 +90,14 @@ _PREFILL_ARGTYPES = [
 ]  # fmt: skip
 
 
+def prefill_library_path() -> Path:
+    """The prefill kernel's build for this source, compiler and CPU (compiled if absent)."""
+    return cpu_build.library_path(PREFILL_SOURCE, "prefill_attention")
+
+
 def _open_prefill(_key: None) -> ctypes._CFuncPtr:
-    lib = cpu_build.load(library_path(torch.float32), "CPU attention kernel")
-    if lib.paged_attention_simd_level() < 2:
+    lib = cpu_build.load(prefill_library_path(), "CPU prefill attention kernel")
+    if not lib.prefill_attention_available():
         raise OSError("the prefill kernel needs AVX-512 (this build has none)")
     fn = lib.paged_prefill_attention_f32
     fn.argtypes, fn.restype = _PREFILL_ARGTYPES, ctypes.c_int

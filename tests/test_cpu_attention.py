@@ -147,6 +147,24 @@ def test_prefill_kernel_is_there_exactly_where_the_cpu_has_avx512() -> None:
             cpu_attention.paged_prefill_attention(torch.randn(30, 4, 64), k, v, tables[0], 20, 0.125)
 
 
+def test_a_build_without_avx512_has_no_prefill_kernel(tmp_path: Path) -> None:
+    cc = shutil.which("gcc")
+    assert cc is not None
+    lib_path = tmp_path / "prefill_avx2.so"
+    cmd = [cc, *cpu_attention.CFLAGS, "-mno-avx512f", str(cpu_attention.PREFILL_SOURCE), "-o", str(lib_path), "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.prefill_attention_available() == 0
+    fn = lib.paged_prefill_attention_f32
+    fn.argtypes, fn.restype = cpu_attention._PREFILL_ARGTYPES, ctypes.c_int
+    _, k, v, tables, _ = make_case([17], 4, 2, 64)
+    q = torch.randn(17, 4, 64)
+    out = torch.empty_like(q)
+    args = (q.data_ptr(), 4 * 64, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), 2 * 64, 64,
+            k.shape[0], tables[0].data_ptr(), 17, 17, 4, 2, 64, k.shape[1], 0.125, out.data_ptr(), 4 * 64, 1)
+    assert fn(*args) == -1  # the caller takes torch's path
+
+
 @pytest.fixture(scope="module")
 def avx2_lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """The C file built for AVX2 + FMA only: the tiles an AVX-512 machine never runs."""
