@@ -98,9 +98,13 @@ def _quantized_ops(fmt: kv_quant.KVQuant, use_c: bool) -> _CacheOps:
                      cpu_kv_cache.gather_kv if c_cache else kv_quant.gather_kv)
 
 
+_FIRST_BLOCK = torch.zeros(1, dtype=torch.int32)  # the table of K/V held as one block
+
+
 class TorchBackend:
-    """CPU path: the fused C kernels (or the reference) for decodes; for prefill chunks
-    over a float32 cache the C prefill kernel where it builds (AVX-512), else SDPA."""
+    """CPU path: the fused C kernels (or the reference) for decodes; for prefill chunks the
+    C prefill kernel where it builds (AVX-512: in place over a float32 cache, over the
+    gathered K/V of a quantised or half one), else SDPA."""
 
     def __init__(self, use_c_kernel: bool = True) -> None:
         self._use_c = use_c_kernel
@@ -120,11 +124,11 @@ class TorchBackend:
         if nd:
             out[:nd] = ops.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                   meta.decode_context_lens, scale)
-        c_prefill = (self._c_prefill is not None and not quantized and k_cache.dtype is torch.float32
-                     and self._c_prefill.prefill_supports(q.shape[-1]))
+        c_prefill = self._c_prefill is not None and self._c_prefill.prefill_supports(q.shape[-1])
+        in_place = c_prefill and not quantized and k_cache.dtype is torch.float32
         for span in meta.prefills:
             rows = slice(span.start, span.start + span.num_new)
-            if c_prefill:  # reads the cache in place: no gather, prefix or not
+            if in_place:  # reads the cache as it is: no gather, prefix or not
                 out[rows] = self._c_prefill.paged_prefill_attention(
                     q[rows], k_cache, v_cache, meta.prefill_block_tables[span.row], span.num_context,
                     scale)
@@ -132,10 +136,22 @@ class TorchBackend:
                 ids = meta.prefill_block_tables[span.row]
                 ks = ops.gather(k_cache, ids, span.num_context)
                 vs = ops.gather(v_cache, ids, span.num_context)
-                out[rows] = _sdpa(q[rows], ks, vs, scale, prefix=span.num_context - span.num_new)
+                out[rows] = self._attend(q[rows], ks, vs, scale, c_prefill)
             else:
-                out[rows] = _sdpa(q[rows], k[rows], v[rows], scale, prefix=0)
+                out[rows] = self._attend(q[rows], k[rows], v[rows], scale, c_prefill)
         return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                c_prefill: bool) -> torch.Tensor:  # q [Q, H, D], k/v [K, KVH, D] -> [Q, H, D]
+        """Causal attention of q, the last Q of K positions, over contiguous K/V: the C
+        prefill kernel where it runs (K/V as one cache block; about 1.5x SDPA on AVX-512),
+        else SDPA."""
+        if not c_prefill:  # a half cache's K/V in q's dtype: SDPA takes one dtype
+            return _sdpa(q, k.to(q.dtype), v.to(q.dtype), scale, prefix=k.shape[0] - q.shape[0])
+        n, kvh, dim = k.shape
+        one_block = lambda t: t.float().contiguous().view(1, n, kvh, dim)  # noqa: E731
+        return self._c_prefill.paged_prefill_attention(
+            q.contiguous(), one_block(k), one_block(v), _FIRST_BLOCK, n, scale)
 
 
 class TritonBackend:

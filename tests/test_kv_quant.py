@@ -7,6 +7,7 @@ bit, attention within fp32 tolerance.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -206,6 +207,49 @@ def test_cpu_backend_prefill_with_context_reads_the_quantised_prefix(fmt):
     got = TorchBackend().forward(q, new_k, new_v, k, v, meta, 0.125)  # writes, then attends
     want = kv_quant.paged_prefill_attention(q, k, v, tables, i32([0, 3]), lens, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def two_chunks(backend: TorchBackend, fmt: KVQuant | torch.dtype) -> list[torch.Tensor]:
+    """A 17-token prompt prefilled in chunks of 10 and 7 (the second over a cached
+    prefix) through ``backend``, into a cache of ``fmt``: each chunk's attention output."""
+    if isinstance(fmt, KVQuant):
+        _, (k_cache, v_cache) = make_views(fmt)
+    else:
+        k_cache, v_cache = (torch.zeros(12, 4, 3, 64, dtype=fmt) for _ in range(2))
+    table = torch.tensor([[7, 2, 9, 4, 11]], dtype=torch.int32)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    g = torch.Generator().manual_seed(3)
+    outs = []
+    for start, stop in ((0, 10), (10, 17)):
+        n = stop - start
+        q, k, v = torch.randn(n, 9, 64, generator=g), torch.randn(n, 3, 64, generator=g), torch.randn(n, 3, 64, generator=g)
+        slots = torch.tensor([int(table[0, p // 4]) * 4 + p % 4 for p in range(start, stop)])
+        meta = AttentionMetadata(slots, 0, i32([[0]]), i32([]), [PrefillSpan(0, n, stop, 0)], table,
+                                 i32([0, n]), i32([stop]))
+        outs.append(backend.forward(q, k, v, k_cache, v_cache, meta, 0.125))
+    return outs
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, torch.bfloat16, torch.float16])
+def test_cpu_backend_prefill_over_gathered_kv_matches_the_torch_path(fmt):
+    """Quantised and half caches: the C prefill kernel (where it runs) over the gathered
+    K/V, or over the chunk's own K/V without a prefix, computes what SDPA does."""
+    got, want = two_chunks(TorchBackend(), fmt), two_chunks(TorchBackend(use_c_kernel=False), fmt)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("use_c_kernel", [True, False])
+def test_a_half_cache_serves_chunked_and_prefix_cached_prompts(tiny_model_dir, dtype, use_c_kernel):
+    """A chunk over a cached prefix attends over the half cache's K/V (SDPA once refused
+    their dtype beside a float32 query: any chunked or prefix-cached prompt failed)."""
+    loaded = dataclasses.replace(loaded_model(tiny_model_dir), backend=TorchBackend(use_c_kernel))
+    e = make_engine(tiny_model_dir, max_num_batched_tokens=16, kv_cache_dtype=dtype, loaded=loaded)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first, again = (e.generate([list(range(50, 90)) + tail], params)[0] for tail in ([], [7]))
+    assert [len(o.choices[0].token_ids) for o in (first, again)] == [4, 4]
+    assert again.num_cached_tokens == 32  # the first prompt's two full blocks
 
 
 # ---- plumbing: capacity, layout, blocks -------------------------------------------------
