@@ -296,12 +296,13 @@ def test_block_copies_move_codes_and_scales_together(tiny_model_dir, dtype):
     assert torch.equal(cache[7], cache[src])
 
 
-def test_pd_with_int8_kv_equals_a_colocated_int8_engine(tiny_model_dir):
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_pd_with_a_compact_kv_cache_equals_a_colocated_engine(tiny_model_dir, dtype):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [list(range(50, 50 + n)) for n in (5, 16, 37)]
-    colocated = make_engine(tiny_model_dir, kv_cache_dtype="int8").generate(prompts, params)
-    prefill = make_engine(tiny_model_dir, num_blocks=32, kv_cache_dtype="int8")
-    decode = make_engine(tiny_model_dir, num_blocks=32, kv_cache_dtype="int8")
+    colocated = make_engine(tiny_model_dir, kv_cache_dtype=dtype).generate(prompts, params)
+    prefill = make_engine(tiny_model_dir, num_blocks=32, kv_cache_dtype=dtype)
+    decode = make_engine(tiny_model_dir, num_blocks=32, kv_cache_dtype=dtype)
     for i, p in enumerate(prompts):
         prefill.add_request(p, params, request_id=f"r{i}", prefill_only=True)
     first: dict[str, int] = {}
