@@ -28,7 +28,7 @@ from kernels.cpu_build import CFLAGS, LIBS, build_key, cache_dir, openmp_runtime
 from kernels.kv_quant import KVQuant, QuantizedCache
 
 __all__ = [
-    "CFLAGS", "LIBS", "PREFILL_SOURCE", "SOURCE", "available", "bind", "build_flags", "build_key",
+    "CFLAGS", "LIBS", "PREFILL_SOURCE", "SOURCE", "available", "bind", "bind_prefill", "build_flags", "build_key",
     "cache_dir", "entry_point", "library_path", "openmp_runtimes", "paged_decode_attention",
     "paged_decode_attention_quantized", "paged_prefill_attention", "prefill_available",
     "prefill_library_path", "prefill_supports", "prefill_unavailable_reason", "unavailable_reason",
@@ -95,13 +95,18 @@ def prefill_library_path() -> Path:
     return cpu_build.library_path(PREFILL_SOURCE, "prefill_attention")
 
 
+def bind_prefill(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
+    """The prefill entry point of ``lib`` (a build of ``PREFILL_SOURCE``), its C signature set."""
+    fn = lib.paged_prefill_attention_f32
+    fn.argtypes, fn.restype = _PREFILL_ARGTYPES, ctypes.c_int
+    return fn
+
+
 def _open_prefill(_key: None) -> ctypes._CFuncPtr:
     lib = cpu_build.load(prefill_library_path(), "CPU prefill attention kernel")
     if not lib.prefill_attention_available():
         raise OSError("the prefill kernel needs AVX-512 (this build has none)")
-    fn = lib.paged_prefill_attention_f32
-    fn.argtypes, fn.restype = _PREFILL_ARGTYPES, ctypes.c_int
-    return fn
+    return bind_prefill(lib)
 
 
 _prefill_loader = cpu_build.Loader("CPU prefill attention kernel", _open_prefill)

@@ -155,8 +155,7 @@ def test_a_build_without_avx512_has_no_prefill_kernel(tmp_path: Path) -> None:
     subprocess.run(cmd, check=True, capture_output=True)
     lib = ctypes.CDLL(str(lib_path))
     assert lib.prefill_attention_available() == 0
-    fn = lib.paged_prefill_attention_f32
-    fn.argtypes, fn.restype = cpu_attention._PREFILL_ARGTYPES, ctypes.c_int
+    fn = cpu_attention.bind_prefill(lib)
     _, k, v, tables, _ = make_case([17], 4, 2, 64)
     q = torch.randn(17, 4, 64)
     out = torch.empty_like(q)
