@@ -37,33 +37,13 @@
 #define PF_AVX512 0
 #endif
 
-#include "simd.h" /* INLINE, the exp constants */
+#include "simd.h" /* INLINE, exp16_nonpositive */
 
 #if PF_AVX512
 #define PF_ROWS 16 /* query rows per item: one per lane */
 #define PF_KEYS 16 /* keys per tile */
 #define PF_VDIMS 8 /* output dims per pass over a tile's values */
 #define PF_KEEP_BYTES ((size_t)32 << 20) /* scratch up to this size is kept for the next call */
-
-/* exp16 for x <= 0 or -inf (scores less their running max), in fewer steps: no overflow
- * branch, and 2^n applied by one scalef. The same value as exp16 wherever that is a
- * normal float, and 0 below EXP_LO as there. */
-INLINE __m512 exp16_nonpositive(__m512 x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LO));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(EXP_P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_scalef_ps((__mmask16)~under, p, n);
-}
 
 /* Transposes the 16 x 16 floats in m[0..16) in place: four rounds of block swaps, round k
  * (b = 8 >> k) exchanging between rows i and i + b the b-wide halves of each 2b columns:

@@ -22,7 +22,7 @@ INLINE float hsum1(__m256 a) {
 
 /* exp(x), Cephes-style range reduction and polynomial: 2^n * P(r), |rel err| < 2e-7;
  * 0 below -87.3, +inf above 88.7, NaN stays NaN. The constants are shared by exp8 and
- * exp16, which take the same steps lane for lane. */
+ * exp16_nonpositive (AVX-512), which take the same steps lane for lane. */
 #define EXP_LO -87.3f
 #define EXP_HI 88.7f
 #define EXP_LOG2E 1.44269504088896341f
@@ -62,12 +62,9 @@ INLINE __m256 exp8(__m256 x) {
 }
 
 #if defined(__AVX512F__)
-/* exp8 on sixteen lanes: the same constants and steps, lane for lane. */
-INLINE __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(EXP_LO), hi = _mm512_set1_ps(EXP_HI);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    const __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
-    x = _mm512_min_ps(hi, _mm512_max_ps(lo, x));
+/* exp(x) = 2^n * p for x already clamped to [EXP_LO, EXP_HI]: n = round(x log2 e), p the
+ * polynomial of the rest: exp8's constants and steps on sixteen lanes. */
+INLINE __m512 exp16_reduced(__m512 x, __m512 *n_out) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
@@ -78,14 +75,18 @@ INLINE __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i ni = _mm512_cvtps_epi32(n);
-    const __m512i n1 = _mm512_srai_epi32(ni, 1), n2 = _mm512_sub_epi32(ni, n1);
-    const __m512i bias = _mm512_set1_epi32(127);
-    const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
-    const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
-    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
-    return _mm512_mask_blend_ps(over, _mm512_maskz_mov_ps((__mmask16)~under, y), _mm512_set1_ps(INFINITY));
+    *n_out = n;
+    return _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+}
+
+/* exp8 on sixteen lanes for x <= 0 or -inf (e.g. scores less their running max), in fewer
+ * steps: no overflow branch, and 2^n applied by one scalef. The same value as exp8's lane
+ * wherever that is a normal float, and 0 below EXP_LO as there. */
+INLINE __m512 exp16_nonpositive(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
+    __m512 n;
+    const __m512 p = exp16_reduced(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), &n);
+    return _mm512_maskz_scalef_ps((__mmask16)~under, p, n);
 }
 #endif
 #endif
